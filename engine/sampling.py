@@ -1,0 +1,142 @@
+"""Sampling: logits -> probabilities, the one door to randomness, and verification.
+
+Every random choice in the engine is a draw from a `Random` the caller passes in, and every
+draw is keyed by (stream, absolute position): `Random(seed)` maps each key to one uniform u,
+and a categorical draw is the inverse CDF at u. So a decoder that samples position t with key
+("token", t) gets the very token plain sampling gets there, however many tokens it handles
+per forward. Because a draw is a step function of u, a test can replace `Random` with a
+source that walks every interval of u and so computes a decoder's exact output law.
+
+Verification primitives, written once for all decoders:
+- `verify_rejection`: chain speculative sampling (Leviathan et al. 2023, arXiv 2211.17192;
+  Chen et al. 2023, arXiv 2302.01318), keeps the target law for any draft law q.
+- `verify_match`: draw from the target with position-keyed noise and accept the candidate
+  tokens that equal the draws (lookahead n-grams; coupled drafts, Daliri et al. 2024,
+  arXiv 2408.07978). Output == plain sampling with the same seed, token for token.
+"""
+from __future__ import annotations
+
+import random
+from dataclasses import dataclass
+
+import torch
+from torch import Tensor
+
+
+@dataclass(frozen=True)
+class Sampler:
+    temperature: float = 0.0   # 0 = greedy (argmax)
+    top_k: int = 0             # 0 = off
+    top_p: float = 1.0         # 1 = off
+
+    def __post_init__(self):
+        if not self.temperature >= 0:
+            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
+        if self.top_k < 0:
+            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
+        if not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+    def probs(self, logits: Tensor) -> Tensor:
+        """(..., V) logits -> (..., V) float64 probabilities; one-hot argmax when greedy."""
+        x = logits.double()
+        if torch.isnan(x).any() or (x == float("-inf")).all(-1).any():
+            raise ValueError("logits are NaN or all -inf: no token can be sampled")
+        if self.greedy:
+            # ties go to the lowest id, as torch.argmax does
+            return torch.zeros_like(x).scatter_(-1, x.argmax(-1, keepdim=True), 1.0)
+        x = x / self.temperature
+        if self.top_k and self.top_k < x.shape[-1]:
+            kth = x.topk(self.top_k, dim=-1).values[..., -1:]                 # (..., 1)
+            x = x.masked_fill(x < kth, float("-inf"))
+        p = torch.softmax(x, dim=-1)
+        if self.top_p < 1:
+            # keep the smallest prefix of the sorted vocab whose mass reaches top_p
+            sp, order = p.sort(dim=-1, descending=True)
+            drop = sp.cumsum(-1) - sp >= self.top_p                          # mass before >= top_p
+            p = p.masked_fill(drop.scatter(-1, order, drop), 0.0)
+            p = p / p.sum(-1, keepdim=True)
+        return p
+
+
+# --------------------------------------------------------------------------- randomness
+
+class Random:
+    """Seeded, position-keyed uniforms: u(stream, position) is fixed by (seed, stream, position)."""
+
+    def __init__(self, seed: int = 0):
+        self.seed = seed
+
+    def uniform(self, stream: str, position: int) -> float:
+        # str seeds go through sha512 in CPython: stable across runs, platforms and processes
+        return random.Random(f"{self.seed}/{stream}/{position}").random()
+
+    def categorical(self, probs: Tensor, stream: str, position: int) -> int:
+        """Inverse CDF: the first x with cdf(x) > u."""
+        return icdf(probs, self.uniform(stream, position))
+
+    def bernoulli(self, prob: float, stream: str, position: int) -> bool:
+        return self.uniform(stream, position) < prob
+
+
+def icdf(probs: Tensor, u: float) -> int:
+    """The token x with cdf(x-1) <= u < cdf(x); never a token of probability 0."""
+    cdf = probs.double().cumsum(-1)                                          # (V,)
+    x = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
+    # subtle: rounding can leave cdf[-1] <= u < 1; then take the last token with mass
+    return x if x < len(cdf) else int(probs.nonzero()[-1])
+
+
+# --------------------------------------------------------------------------- verification
+
+def verify_rejection(p: Tensor, q: Tensor, drafts: list[int], rng: Random, position: int) -> list[int]:
+    """Chain rejection sampling; returns the accepted drafts plus one corrected or bonus token.
+
+    p (K+1, V) target probs after each draft prefix, q (K, V) the law each draft was drawn
+    from, drafts[i] at absolute position `position + i`.
+        accept x_i with prob min(1, p_i(x_i) / q_i(x_i))
+        on the first rejection emit y ~ norm(max(0, p_i - q_i)) and stop
+        if all K accepted, emit a bonus y ~ p_K
+    P(emit x) = q(x) min(1, p/q) + (1 - sum min(p, q)) (p - q)_+(x) / sum (p - q)_+ = p(x).
+    """
+    out = []
+    for i, x in enumerate(drafts):
+        if not q[i, x] > 0:
+            raise ValueError(f"draft token {x} has q = 0: it could not have been drawn from q")
+        if rng.bernoulli(min(1.0, float(p[i, x] / q[i, x])), "accept", position + i):
+            out.append(x)
+            continue
+        residual = (p[i] - q[i]).clamp(min=0)                                # (V,)
+        # subtle: sum is 0 only if p == q, where rejection has probability 0 (bar rounding)
+        residual = residual / residual.sum() if residual.sum() > 0 else p[i]
+        out.append(rng.categorical(residual, "residual", position + i))
+        return out
+    out.append(rng.categorical(p[len(drafts)], "token", position + len(drafts)))
+    return out
+
+
+def verify_match(first: Tensor, rows: Tensor, candidates: Tensor, sampler: Sampler,
+                 rng: Random, position: int) -> tuple[list[int], int]:
+    """Draw y_j ~ p_j with the key plain sampling uses; accept while some candidate agrees.
+
+    first (V,) logits for `position`; candidates (G, n) token ids; rows (G, n, V) logits,
+    rows[g, j] = the target's logits after candidates[g, :j+1]. Returns the emitted tokens
+    (1 to n+1) and the index of the candidate they follow (0 if none matched).
+        y_0 ~ p(first); alive = {g : c_g[0] == y_0}
+        while alive: y_j ~ p(rows[g*, j-1]) for the first g* in alive; alive &= c_g[j] == y_j
+    Every y_j is the plain sampler's draw at position + j given the same prefix.
+    """
+    y = rng.categorical(sampler.probs(first), "token", position)
+    out, alive, best = [y], list(range(len(candidates))), 0
+    for j in range(candidates.shape[1] if len(candidates) else 0):
+        alive = [g for g in alive if int(candidates[g, j]) == y]
+        if not alive:
+            break
+        best = alive[0]
+        y = rng.categorical(sampler.probs(rows[best, j]), "token", position + j + 1)
+        out.append(y)
+    return out, best

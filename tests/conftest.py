@@ -1,0 +1,37 @@
+"""Shared fixtures: seeded tiny float64 Llamas and the hypothesis profiles.
+
+float64 so that a forward of T=1 and one of T=K+1 cannot flip a near-tie argmax: token
+equality between decoders is then a property of the algorithms, not of rounding.
+"""
+import os
+
+import pytest
+import torch
+from hypothesis import settings
+
+from engine.llama import Llama, LlamaConfig
+
+settings.register_profile("dev", max_examples=20, deadline=None)
+settings.register_profile("ci", max_examples=40, deadline=None, print_blob=True)
+settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
+
+
+def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = False,
+               scale: float = 1.0) -> Llama:
+    """A random float64 Llama (C=32, H=4, Hkv=2, F=48) whose every weight is drawn from `seed`."""
+    cfg = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=48,
+                      vocab_size=vocab, rope_theta=10000.0, tie_embeddings=tie)
+    model = Llama(cfg).double()
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.data = 1 + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        else:  # std 1/sqrt(fan_in), then `scale` sharpens or flattens the next-token law
+            p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale / p.shape[-1] ** 0.5
+    model.tok_embeddings.weight.data *= p.shape[-1] ** 0.5 / 4  # embeddings of norm ~ sqrt(C)/4
+    return model.requires_grad_(False)
+
+
+@pytest.fixture
+def model():
+    return tiny_llama(0)

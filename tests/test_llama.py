@@ -1,0 +1,139 @@
+"""The model's contract: caching, kept rows, trimmed mask rows and frozen layers change
+nothing a caller reads. Every decoder's exactness rests on these properties."""
+import pytest
+import torch
+import torch.nn.functional as F
+from hypothesis import given, strategies as st
+
+from conftest import tiny_llama
+from engine.kvcache import KVCache
+from engine.llama import LlamaConfig, apply_rope, causal_mask, rope
+
+ATOL = 1e-10
+
+
+def tokens_for(seed, T, V=16):
+    return torch.randint(0, V, (1, T), generator=torch.Generator().manual_seed(seed))
+
+
+@given(seed=st.integers(0, 2**16), T=st.integers(2, 12), data=st.data())
+def test_incremental_decode_matches_full_forward(seed, T, data):
+    # Why: every decoder feeds the prompt in chunks; the cache must make that invisible.
+    model = tiny_llama(seed % 3, tie=bool(seed % 2))
+    tokens = tokens_for(seed, T)
+    full = model(tokens, torch.arange(T))                                   # (1, T, V)
+    cuts = sorted(set(data.draw(st.lists(st.integers(1, T - 1), max_size=3))))
+    cache, parts = KVCache.for_model(model, T), []
+    for a, b in zip([0] + cuts, cuts + [T]):
+        parts.append(model(tokens[:, a:b], torch.arange(a, b), cache))
+    torch.testing.assert_close(torch.cat(parts, 1), full, atol=ATOL, rtol=0)
+    assert cache.length == T
+
+
+@given(seed=st.integers(0, 2**16), T=st.integers(1, 10), data=st.data())
+def test_kept_rows_equal_the_same_rows_of_a_full_forward(seed, T, data):
+    # Why: decoders ask for logits of a few rows; `keep` must return exactly those rows.
+    model = tiny_llama(seed % 3)
+    tokens = tokens_for(seed, T)
+    keep = data.draw(st.lists(st.integers(0, T - 1), min_size=1, max_size=T, unique=True))
+    full = model(tokens, torch.arange(T))
+    kept = model(tokens, torch.arange(T), keep=torch.tensor(keep))
+    torch.testing.assert_close(kept, full[:, keep], atol=ATOL, rtol=0)
+
+
+def test_negative_keep_counts_from_the_end(model):
+    tokens = tokens_for(0, 5)
+    full = model(tokens, torch.arange(5))
+    torch.testing.assert_close(model(tokens, torch.arange(5), keep=[-1]), full[:, [4]])
+
+
+@given(seed=st.integers(0, 2**16), P=st.integers(1, 6), T=st.integers(1, 6), data=st.data())
+def test_trimmed_mask_rows_leave_the_kept_rows_unchanged(seed, P, T, data):
+    # Why: lookahead sends only the query rows it needs. A row's output depends on the keys it
+    # sees, not on which other queries were sent, so dropping rows nobody attends to is exact.
+    model = tiny_llama(seed % 3)
+    tokens = tokens_for(seed, P + T)
+    cache = KVCache.for_model(model, P + T)
+    model(tokens[:, :P], torch.arange(P), cache)
+    full = model(tokens[:, P:], torch.arange(P, P + T), cache)              # causal, all rows
+    cache.truncate(P)
+    # the last r rows are attended by no kept row, so they may be dropped from the query
+    r = data.draw(st.integers(0, T - 1))
+    mask = causal_mask(P, T - r)
+    trimmed = model(tokens[:, P:P + T - r], torch.arange(P, P + T - r), cache, mask=mask)
+    torch.testing.assert_close(trimmed, full[:, :T - r], atol=ATOL, rtol=0)
+
+
+@given(seed=st.integers(0, 2**16), T=st.integers(2, 10), data=st.data())
+def test_trim_last_layer_is_exact(seed, T, data):
+    # Why: in the last layer no later layer reads a frozen row's K/V, so m=1 must be exact.
+    model = tiny_llama(seed % 3)
+    tokens = tokens_for(seed, T)
+    keep = data.draw(st.lists(st.integers(0, T - 1), min_size=1, max_size=T, unique=True))
+    full = model(tokens, torch.arange(T), keep=torch.tensor(keep))
+    trimmed = model(tokens, torch.arange(T), keep=torch.tensor(keep), trim_layers=1)
+    torch.testing.assert_close(trimmed, full, atol=ATOL, rtol=0)
+
+
+def test_trim_layers_changes_only_rows_that_attend_to_frozen_rows(model):
+    # Why: for m>1, a kept row is exact when every row it sees is kept too (lookahead's
+    # verification rows); a kept row that sees a frozen row does change, so the knob is real.
+    T = 6
+    tokens = tokens_for(3, T)
+    mask = causal_mask(0, T)
+    mask[5, 2:5] = False                                 # row 5 sees only rows 0, 1 and itself
+    full = model(tokens, torch.arange(T), mask=mask)
+    keep = torch.tensor([0, 1, 5])
+    trimmed = model(tokens, torch.arange(T), mask=mask, keep=keep, trim_layers=2)
+    torch.testing.assert_close(trimmed, full[:, keep], atol=ATOL, rtol=0)
+    causal = model(tokens, torch.arange(T), keep=[5])                 # row 5 sees rows 2..4 too
+    frozen = model(tokens, torch.arange(T), keep=[5], trim_layers=2)
+    assert (frozen - causal).abs().max() > 1e-3
+
+
+def test_repeated_positions_give_identical_rows(model):
+    # Why: lookahead sends several tokens with one position; positions are not slots.
+    cache = KVCache.for_model(model, 8)
+    model(tokens_for(1, 3), torch.arange(3), cache)
+    tok = torch.tensor([[5, 5]])
+    mask = torch.tensor([[1, 1, 1, 1, 0], [1, 1, 1, 0, 1]], dtype=torch.bool)
+    out = model(tok, torch.tensor([3, 3]), cache, mask=mask)
+    torch.testing.assert_close(out[:, 0], out[:, 1], atol=ATOL, rtol=0)
+
+
+def test_attention_matches_explicit_softmax_math():
+    # Why: the model calls SDPA with a boolean (T, S) mask and GQA; this is the formula it means.
+    g = torch.Generator().manual_seed(0)
+    q = torch.randn(1, 4, 3, 8, generator=g, dtype=torch.float64)
+    k = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+    v = torch.randn(1, 2, 5, 8, generator=g, dtype=torch.float64)
+    mask = causal_mask(2, 3)
+    mask[2, 0] = False
+    kk, vv = k.repeat_interleave(2, 1), v.repeat_interleave(2, 1)
+    scores = (q @ kk.transpose(-1, -2)) / 8 ** 0.5
+    ref = scores.masked_fill(~mask, float("-inf")).softmax(-1) @ vv
+    got = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)
+    torch.testing.assert_close(got, ref, atol=1e-12, rtol=0)
+
+
+def test_rope_is_a_rotation_by_position_times_frequency():
+    # Why: pin the HF half-split convention: pair (i, i + D/2) turns by p * theta^(-2i/D).
+    D, p = 8, 7
+    cos, sin = rope(torch.tensor([p]), D, 10000.0, torch.float64)
+    x = torch.zeros(1, 1, 1, D, dtype=torch.float64)
+    x[..., 1] = 1.0                                      # unit vector on the first half, pair 1
+    y = apply_rope(x, cos, sin)
+    angle = torch.tensor(p * 10000.0 ** (-2 * 1 / D), dtype=torch.float64)
+    assert torch.isclose(y[..., 1], angle.cos()) and torch.isclose(y[..., 1 + D // 2], angle.sin())
+
+
+def test_config_from_hf_reads_the_fields():
+    cfg = LlamaConfig.from_hf({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+                               "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
+                               "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
+    assert (cfg.head_dim, cfg.n_kv_heads, cfg.tie_embeddings, cfg.rope_theta) == (64, 3, True, 100000.0)
+
+
+def test_wrong_mask_shape_is_a_clear_error(model):
+    with pytest.raises(ValueError, match="mask"):
+        model(tokens_for(0, 3), torch.arange(3), mask=torch.ones(3, 4, dtype=torch.bool))

@@ -169,11 +169,6 @@ class Llama(nn.Module):
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
 
-    def head(self, x: Tensor) -> Tensor:
-        """Final norm + LM head: (B, T, C) -> logits (B, T, V)."""
-        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
-        return F.linear(self.norm(x), w)
-
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | None = None,
                 mask: Tensor | None = None, keep: Tensor | None = None,
@@ -185,23 +180,40 @@ class Llama(nn.Module):
         (1-D row indices) picks the rows whose logits are returned; in the last
         `trim_layers` layers every other row is frozen (K/V still projected, nothing else).
         """
-        B, T = tokens.shape
-        cached = cache.length if cache is not None else 0
-        if mask is None:
-            mask = causal_mask(cached, T, tokens.device)                  # (T, S)
-        if mask.shape != (T, cached + T):
-            raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
-        if keep is not None:
-            keep = torch.as_tensor(keep, device=tokens.device).remainder(T)  # -1 -> T-1
+        T = tokens.shape[1]
         x = self.tok_embeddings(tokens)                                    # (B, T, C)
-        cos, sin = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
-        first_trimmed = self.config.n_layers - trim_layers
-        for i, layer in enumerate(self.layers):
-            rows = keep if (keep is not None and i >= first_trimmed) else None
-            x = layer(x, rows, cos, sin, cache, i, mask)                   # (B, T, C)
+        keep = None if keep is None else torch.as_tensor(keep, device=x.device).remainder(T)
+        x = self.blocks(x, positions, cache, mask, keep=keep, trim_layers=trim_layers)
         if cache is not None:
             cache.length += T
-        if keep is not None:
-            x = x[:, keep]                                                 # (B, len(keep), C)
-        logits = self.head(x)                                              # (B, ., V)
+        return self.head(x if keep is None else x[:, keep])               # (B, ., V)
+
+    @torch.no_grad()
+    def blocks(self, x: Tensor, positions: Tensor, cache: KVCache | None = None,
+               mask: Tensor | None = None, start: int = 0, stop: int | None = None,
+               keep: Tensor | None = None, trim_layers: int = 0) -> Tensor:
+        """Run layers [start, stop) on the residual stream x (B, T, C); returns x (B, T, C).
+
+        Writes K/V of those layers at slots [cache.length, +T) but leaves cache.length alone,
+        so a caller can run a model in pieces: an early exit (contrastive amateur) or the
+        lower layers of a self-draft, resumed later by the upper layers.
+        """
+        T = x.shape[1]
+        cached = cache.length if cache is not None else 0
+        if mask is None:
+            mask = causal_mask(cached, T, x.device)                        # (T, S)
+        if mask.shape != (T, cached + T):
+            raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
+        cos, sin = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        stop = self.config.n_layers if stop is None else stop
+        first_trimmed = self.config.n_layers - trim_layers
+        for i in range(start, stop):
+            rows = keep if (keep is not None and i >= first_trimmed) else None
+            x = self.layers[i](x, rows, cos, sin, cache, i, mask)          # (B, T, C)
+        return x
+
+    def head(self, x: Tensor) -> Tensor:
+        """Final norm + LM head: (B, T, C) -> logits (B, T, V), at least fp32."""
+        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
+        logits = F.linear(self.norm(x), w)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

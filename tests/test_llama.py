@@ -137,3 +137,15 @@ def test_config_from_hf_reads_the_fields():
 def test_wrong_mask_shape_is_a_clear_error(model):
     with pytest.raises(ValueError, match="mask"):
         model(tokens_for(0, 3), torch.arange(3), mask=torch.ones(3, 4, dtype=torch.bool))
+
+
+@given(seed=st.integers(0, 2**16), split=st.integers(0, 2))
+def test_running_the_layers_in_two_pieces_equals_one_forward(seed, split):
+    # Why: early exits (contrastive amateur) and self-drafts run the model in pieces.
+    model = tiny_llama(seed % 3)
+    tokens = tokens_for(seed, 5)
+    cache = KVCache.for_model(model, 5)
+    x = model.blocks(model.tok_embeddings(tokens), torch.arange(5), cache, stop=split)
+    x = model.blocks(x, torch.arange(5), cache, start=split)
+    torch.testing.assert_close(model.head(x), model(tokens, torch.arange(5)), atol=ATOL, rtol=0)
+    assert cache.length == 0  # blocks() never advances the cache; forward() does

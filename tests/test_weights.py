@@ -1,0 +1,261 @@
+"""GGUF -> HF-format conversion and strict checkpoint loading.
+
+Most tests build a tiny synthetic GGUF with gguf.GGUFWriter, so they need no weights; the
+ones on the real converted SmolLM2 checkpoint skip when it is absent.
+"""
+import hashlib
+import json
+from pathlib import Path
+import shutil
+
+import gguf
+import numpy as np
+import pytest
+import torch
+from hypothesis import given
+from hypothesis import strategies as st
+from safetensors.torch import load_file, save_file
+from tokenizers import Tokenizer, pre_tokenizers
+
+from engine.llama import apply_rope, rope
+from engine.weights import (DEFAULT_CHECKPOINT, GGUF_MAP, convert, load_model, main, rename,
+                            unpermute_qk)
+
+C, L, H, HKV, F = 32, 2, 4, 2, 64  # D = 8; C and F are multiples of 32 so Q8_0 / Q4_1 fit
+SPECIALS = ["<|endoftext|>", "<|im_start|>", "<|im_end|>"]
+TOKENS = SPECIALS + sorted(pre_tokenizers.ByteLevel.alphabet()) + ["Ġt", "he", "Ġthe"]
+MERGES = ["Ġ t", "h e", "Ġt he"]
+TEMPLATE = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n"
+            "{% endfor %}")
+QUANT = {"blk.0.attn_q.weight": gguf.GGMLQuantizationType.Q4_1,
+         "blk.1.ffn_down.weight": gguf.GGMLQuantizationType.Q8_0}
+
+
+def llamacpp_permute(w, n_head):
+    # what llama.cpp's converter does to HF Q/K rows: per head, (0..D-1) -> (0, D/2, 1, D/2+1, ...)
+    rows, cols = w.shape
+    return w.reshape(n_head, 2, rows // n_head // 2, cols).swapaxes(1, 2).reshape(rows, cols)
+
+
+def hf_tensors(tie=False, seed=0):
+    """Random HF-layout ([out, in]) float32 tensors, keyed by GGUF name."""
+    rng = np.random.default_rng(seed)
+    shapes = {"token_embd.weight": (len(TOKENS), C), "output_norm.weight": (C,)}
+    if not tie:
+        shapes["output.weight"] = (len(TOKENS), C)
+    for i in range(L):
+        shapes |= {f"blk.{i}.attn_q.weight": (C, C), f"blk.{i}.attn_k.weight": (HKV * C // H, C),
+                   f"blk.{i}.attn_v.weight": (HKV * C // H, C),
+                   f"blk.{i}.attn_output.weight": (C, C),
+                   f"blk.{i}.ffn_gate.weight": (F, C), f"blk.{i}.ffn_up.weight": (F, C),
+                   f"blk.{i}.ffn_down.weight": (C, F), f"blk.{i}.attn_norm.weight": (C,),
+                   f"blk.{i}.ffn_norm.weight": (C,)}
+    return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
+
+
+def write_gguf(path, tensors, arch="llama"):
+    w = gguf.GGUFWriter(path, arch)
+    w.add_block_count(L), w.add_context_length(128), w.add_embedding_length(C)
+    w.add_feed_forward_length(F), w.add_head_count(H), w.add_head_count_kv(HKV)
+    w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(1e-5)
+    w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("smollm"), w.add_token_list(TOKENS)
+    w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
+    w.add_token_merges(MERGES), w.add_bos_token_id(1), w.add_eos_token_id(2)
+    w.add_chat_template(TEMPLATE)
+    for name, t in tensors.items():
+        heads = {"attn_q": H, "attn_k": HKV}.get(name.split(".")[-2])
+        t = llamacpp_permute(t, heads) if heads else t
+        if name in QUANT:
+            w.add_tensor(name, gguf.quants.quantize(t, QUANT[name]), raw_dtype=QUANT[name])
+        else:
+            w.add_tensor(name, t)
+    w.write_header_to_file(), w.write_kv_data_to_file(), w.write_tensors_to_file()
+    w.close()
+    return path
+
+
+def expected(name, t):
+    # what survives quantisation; blocks lie within a row, so the Q/K row reorder commutes with it
+    if name not in QUANT:
+        return t
+    return gguf.quants.dequantize(gguf.quants.quantize(t, QUANT[name]), QUANT[name])
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("convert")
+    return convert(write_gguf(d / "tiny.gguf", hf_tensors()), d / "ckpt")
+
+
+def corrupted(ckpt, tmp_path, edit):
+    out = shutil.copytree(ckpt, tmp_path / "ckpt")
+    tensors = load_file(out / "model.safetensors")
+    edit(tensors)
+    save_file(tensors, out / "model.safetensors")
+    return out
+
+
+# --------------------------------------------------------------------------- Q/K permutation
+
+@given(st.integers(1, 4), st.integers(1, 4), st.integers(1, 5))
+def test_unpermute_inverts_llamacpp_permute(n_head, half, cols):
+    # the converter must restore HF rows exactly, for every head count and head size
+    w = np.arange(n_head * 2 * half * cols, dtype=np.float32).reshape(-1, cols)
+    assert np.array_equal(unpermute_qk(llamacpp_permute(w, n_head), n_head), w)
+
+
+def test_interleaved_rope_on_gguf_rows_equals_half_split_rope_on_hf_rows():
+    # why we unpermute: llama.cpp rotates adjacent pairs of the permuted rows, llama.py rotates
+    # (i, i+D/2) of HF rows; both are the same rotation, reached only through the reorder
+    g = torch.Generator().manual_seed(0)
+    D, T = 8, 5
+    q_hf = torch.randn(1, 1, T, D, generator=g)                         # (B, H, T, D)
+    cos, sin = rope(torch.arange(T), D, 10000.0, torch.float32)         # (T, D)
+    q_gg = torch.from_numpy(llamacpp_permute(q_hf[0, 0].T.numpy(), 1).T.copy())  # (T, D) pairs
+    a, b = q_gg[:, 0::2], q_gg[:, 1::2]
+    c, s = cos[:, : D // 2], sin[:, : D // 2]
+    rotated = torch.stack([a * c - b * s, a * s + b * c], dim=-1).reshape(T, D)   # interleaved
+    back = torch.from_numpy(unpermute_qk(rotated.T.numpy().copy(), 1).T.copy())
+    torch.testing.assert_close(back, apply_rope(q_hf, cos, sin)[0, 0], atol=1e-6, rtol=0)
+
+
+# --------------------------------------------------------------------------- conversion
+
+def test_convert_round_trip_gives_the_hf_tensors(ckpt):
+    # every weight lands under its HF name, in [out, in] layout, Q/K back in HF row order
+    hf = load_file(ckpt / "model.safetensors")
+    source = hf_tensors()
+    assert len(hf) == len(source)
+    for gguf_name, t in source.items():
+        hf_name = rename(GGUF_MAP, gguf_name)
+        assert np.array_equal(hf[hf_name].numpy(), expected(gguf_name, t)), hf_name
+    model = load_model(ckpt)
+    assert torch.equal(model.layers[0].attention.wq.weight,
+                       hf["model.layers.0.self_attn.q_proj.weight"])
+    assert torch.equal(model.output.weight, hf["lm_head.weight"])
+    cfg = model.config
+    assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, cfg.vocab_size) == \
+        (C, L, H, HKV, F, len(TOKENS))
+    assert not cfg.tie_embeddings
+
+
+def test_convert_writes_the_hf_side_files(ckpt):
+    # transformers and our Tokenizer read these; the manifest lets `sha256sum -c` check them
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLM"] and config["head_dim"] == C // H
+    generation = json.loads((ckpt / "generation_config.json").read_text())
+    assert generation == {"bos_token_id": 1, "eos_token_id": 2}
+    tok_config = json.loads((ckpt / "tokenizer_config.json").read_text())
+    assert tok_config["eos_token"] == "<|im_end|>" and tok_config["chat_template"] == TEMPLATE
+    assert (ckpt / "chat_template.jinja").read_text() == TEMPLATE
+    lines = (ckpt / "MANIFEST.sha256").read_text().splitlines()
+    listed = {line.split("  ")[1] for line in lines}
+    assert listed == {p.name for p in ckpt.iterdir()} - {"MANIFEST.sha256"}
+    for line in lines:
+        digest, name = line.split("  ")
+        assert hashlib.sha256((ckpt / name).read_bytes()).hexdigest() == digest
+
+
+def test_converted_tokenizer_is_byte_level_bpe_with_smollm_digits(ckpt):
+    # specials are matched whole, merges apply in rank order, each digit is its own token
+    tok = Tokenizer.from_file(str(ckpt / "tokenizer.json"))
+    ids = tok.encode("<|im_start|>the 12", add_special_tokens=False).ids
+    assert [tok.id_to_token(i) for i in ids] == ["<|im_start|>", "t", "he", "Ġ", "1", "2"]
+    assert tok.encode(" the").tokens == ["Ġthe"]
+    assert tok.decode(ids, skip_special_tokens=False) == "<|im_start|>the 12"
+
+
+def test_gguf_without_output_converts_to_tied_embeddings(tmp_path):
+    ckpt = convert(write_gguf(tmp_path / "t.gguf", hf_tensors(tie=True)), tmp_path / "ckpt")
+    assert json.loads((ckpt / "config.json").read_text())["tie_word_embeddings"] is True
+    assert "lm_head.weight" not in load_file(ckpt / "model.safetensors")
+    assert not hasattr(load_model(ckpt), "output")
+
+
+@pytest.mark.parametrize("case, error, words", [
+    ("missing", FileNotFoundError, "no such file"),
+    ("not_gguf", ValueError, "not a readable GGUF"),
+    ("gpt2_arch", ValueError, "architecture 'gpt2'"),
+    ("exists", ValueError, "already exists"),
+])
+def test_convert_refuses_bad_input_with_a_clear_message(tmp_path, case, error, words):
+    src, out = tmp_path / "in.gguf", tmp_path / "out"
+    if case == "not_gguf":
+        src.write_bytes(b"definitely not a gguf file")
+    elif case == "gpt2_arch":
+        write_gguf(src, hf_tensors(), arch="gpt2")
+    elif case == "exists":
+        write_gguf(src, hf_tensors())
+        out.mkdir()
+    with pytest.raises(error, match=words):
+        convert(src, out)
+
+
+def test_failed_conversion_leaves_no_output_dir(tmp_path):
+    # a reader must never find a half-written checkpoint, nor temp dirs piling up beside it
+    tensors = hf_tensors() | {"blk.0.mystery.weight": np.zeros(4, np.float32)}
+    src = write_gguf(tmp_path / "bad.gguf", tensors)
+    with pytest.raises(ValueError, match="blk.0.mystery.weight"):
+        convert(src, tmp_path / "out")
+    assert [p.name for p in tmp_path.iterdir()] == ["bad.gguf"]
+
+
+def test_cli_reports_errors_in_one_line_and_exits_2(tmp_path, capsys):
+    assert main(["convert", str(tmp_path / "none.gguf"), str(tmp_path / "out")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "none.gguf" in err and "Traceback" not in err
+
+
+# --------------------------------------------------------------------------- strict loading
+
+@pytest.mark.parametrize("edit, words", [
+    (lambda t: t.update({"model.norm.weight": torch.ones(C + 1)}), "model.norm.weight has shape"),
+    (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
+     "lacks model.layers.1.mlp.up_proj.weight for layers.1.feed_forward.w3.weight"),
+    (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(C)}),
+     "q_proj.bias is not used"),
+    (lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(F, C)}),
+     "layers.9.mlp.up_proj"),
+])
+def test_load_is_strict_and_names_the_tensor(ckpt, tmp_path, edit, words):
+    # a silently skipped or misshapen tensor would give a model that runs and talks nonsense
+    with pytest.raises(ValueError, match=words):
+        load_model(corrupted(ckpt, tmp_path, edit))
+
+
+def test_load_refuses_corrupt_or_missing_files(ckpt, tmp_path):
+    with pytest.raises(FileNotFoundError, match="no such checkpoint"):
+        load_model(tmp_path / "nowhere")
+    bad = shutil.copytree(ckpt, tmp_path / "bad")
+    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
+    with pytest.raises(ValueError, match="not a readable safetensors"):
+        load_model(bad)
+    (bad / "config.json").unlink()
+    with pytest.raises(FileNotFoundError, match="config.json"):
+        load_model(bad)
+
+
+def test_load_casts_to_the_requested_dtype(ckpt):
+    model = load_model(ckpt, dtype=torch.float64)
+    assert {p.dtype for p in model.parameters()} == {torch.float64}
+    assert not any(p.is_meta for p in model.parameters())
+
+
+# --------------------------------------------------------------------------- real checkpoint
+
+real = pytest.mark.skipif(not DEFAULT_CHECKPOINT.is_dir(), reason="run `make weights` first")
+GOLDEN = json.loads((Path(__file__).parent / "golden.json").read_text())
+
+
+@pytest.mark.slow
+@real
+def test_real_checkpoint_reproduces_hf_greedy_tokens():
+    # golden.json holds HF transformers' greedy continuations of this very checkpoint; one
+    # teacher-forced forward must put its argmax on each of them (weights, layout, RoPE)
+    model = load_model(DEFAULT_CHECKPOINT)
+    assert model.config.tie_embeddings and model.config.n_layers == 30
+    for case in GOLDEN["cases"]:
+        tokens = case["input_ids"] + case["output_ids"][:-1]
+        logits = model(torch.tensor([tokens]), torch.arange(len(tokens)))        # (1, T, V)
+        greedy = logits[0, len(case["input_ids"]) - 1:].argmax(-1).tolist()
+        assert greedy == case["output_ids"], case["prompt"]

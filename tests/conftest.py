@@ -11,6 +11,9 @@ from hypothesis import settings
 
 from engine.llama import Llama, LlamaConfig
 
+# tiny float64 models: one thread avoids OpenMP barriers that dwarf the math itself
+torch.set_num_threads(1)
+
 settings.register_profile("dev", max_examples=20, deadline=None)
 settings.register_profile("ci", max_examples=40, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))

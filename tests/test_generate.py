@@ -1,0 +1,47 @@
+"""generate() is the only code that knows the budget and EOS: it must cut exactly."""
+from engine.generate import Stats, Step, generate, plain
+from engine.sampling import Random, Sampler
+from conftest import tiny_llama
+
+
+def steps(*lists):
+    for tokens in lists:
+        yield Step(list(tokens), drafted=3, accepted=len(tokens) - 1)
+
+
+def test_budget_ends_inside_a_multi_token_step():
+    assert list(generate(steps([1, 2, 3], [4, 5, 6]), max_new_tokens=4)) == [1, 2, 3, 4]
+
+
+def test_eos_inside_a_step_is_emitted_and_ends_generation():
+    stats = Stats()
+    out = list(generate(steps([1, 2], [3, 9, 4], [5]), max_new_tokens=10, eos_ids={9}, stats=stats))
+    assert out == [1, 2, 3, 9]
+    assert (stats.n_tokens, stats.n_forwards, dict(stats.step_lengths)) == (4, 2, {2: 2})
+
+
+def test_stats_count_forwards_drafts_and_step_lengths():
+    stats = Stats()
+    list(generate(steps([1], [2, 3, 4], [5, 6]), max_new_tokens=6, stats=stats))
+    assert (stats.n_tokens, stats.n_forwards, stats.tokens_per_forward) == (6, 3, 2.0)
+    assert (stats.drafted, stats.accepted, stats.first_step_tokens) == (9, 3, 1)
+    assert dict(stats.step_lengths) == {1: 1, 3: 1, 2: 1}
+
+
+def test_zero_budget_runs_nothing():
+    def boom():
+        raise AssertionError("the decoder must not even start")
+        yield
+    assert list(generate(boom(), max_new_tokens=0)) == []
+
+
+def test_plain_greedy_is_the_argmax_of_full_forwards():
+    # Why: plain is the baseline of every exactness claim; check it against the model alone.
+    import torch
+    model, prompt = tiny_llama(1), [3, 1, 4, 1, 5]
+    got = list(generate(plain(model, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=8),
+                        max_new_tokens=8))
+    seq = list(prompt)
+    for _ in range(8):
+        seq.append(int(model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1].argmax()))
+    assert got == seq[len(prompt):]

@@ -1,0 +1,74 @@
+"""Every decoder's exact output law, on tiny float64 Llamas with a vocabulary of 4.
+
+One parametrized entry per decoder configuration: `run(rng)` builds the decoder generator,
+`law` names the law it must keep (the plain sampler's, or the contrastive one). The harness
+(`exact_law.decoder_law`) walks every branch of the decoder's random draws, so the comparison
+is exact to float64 rounding: a decoder that is off by 1e-6 anywhere fails.
+"""
+import itertools
+
+import pytest
+
+from conftest import tiny_llama
+from engine import speculative
+from engine.generate import plain
+from engine.sampling import Sampler
+from exact_law import decoder_law, llama_next_probs, max_gap, reference_law
+
+V, TOL, PROMPT = 4, 1e-12, [1, 3, 0]
+TARGET = tiny_llama(5, vocab=V, n_layers=3, scale=1.5)
+DRAFT = tiny_llama(6, vocab=V, n_layers=1, scale=1.5)
+SAMPLERS = {"t=1": Sampler(1.0), "t=0.7,top-k=3": Sampler(0.7, top_k=3), "t=1.2,top-p=0.9": Sampler(1.2, top_p=0.9)}
+
+
+def plain_run(sampler, n):
+    return lambda rng: plain(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n)
+
+
+def spec_run(draft, K, verify="rejection", adaptive=False):
+    def run(sampler, n):
+        return lambda rng: speculative.decode(
+            TARGET, draft, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=K,
+            verify=verify, adaptive=adaptive, max_draft=3, clock=itertools.count().__next__)
+    return run
+
+
+def target_law(sampler, n, eos=()):
+    return reference_law(llama_next_probs(TARGET, PROMPT, sampler), n, eos)
+
+
+# name -> (run(sampler, budget) -> (rng -> decoder), law(sampler, budget, eos) -> law, budget)
+ENTRIES = {
+    "plain": (plain_run, target_law, 3),
+    "speculative K=1": (spec_run(DRAFT, 1), target_law, 3),
+    "speculative K=2": (spec_run(DRAFT, 2), target_law, 3),
+    "speculative K=3 (budget ends inside a step)": (spec_run(DRAFT, 3), target_law, 3),
+    "speculative self-draft L=1 K=2": (spec_run(speculative.SelfDraft(1), 2), target_law, 3),
+    "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
+    "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 3),
+}
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+@pytest.mark.parametrize("name", ENTRIES)
+def test_decoder_keeps_its_law_exactly(name, sampler):
+    run, law, n = ENTRIES[name]
+    assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) < TOL
+
+
+@pytest.mark.parametrize("name", ENTRIES)
+def test_decoder_keeps_its_law_with_eos(name):
+    run, law, n = ENTRIES[name]
+    sampler, eos = Sampler(1.0), {2}
+    assert max_gap(decoder_law(run(sampler, n), n, eos), law(sampler, n, eos)) < TOL
+
+
+@pytest.mark.parametrize("mutant", ["always accept", "residual = p", "residual not normalised",
+                                    "draft noise reused for the residual", "bonus from p_K instead of p_K+1"])
+def test_the_speculative_decoder_with_a_classic_bug_fails_its_proof(mutant, monkeypatch):
+    # Why: the same harness must catch each bug inside the real decoder, not only in a toy loop.
+    from test_sampling import MUTANTS
+    monkeypatch.setattr(speculative, "verify_rejection", MUTANTS[mutant][0])
+    run, law, n = ENTRIES["speculative K=2"]
+    sampler = Sampler(0.7)
+    assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4

@@ -1,0 +1,244 @@
+"""Speculative decoding changes the speed, never the text: greedy output is plain greedy's,
+coupled output is plain sampling's with the same seed, whatever the draft and K.
+(The exact law of "rejection" is proven by enumeration in test_proofs.py.)"""
+import copy
+
+import pytest
+import torch
+from hypothesis import given, strategies as st
+
+from conftest import tiny_llama
+from engine import speculative
+from engine.generate import Stats, generate, plain
+from engine.llama import LlamaConfig
+from engine.sampling import Random, Sampler
+from engine.speculative import SelfDraft, best_k, decode
+
+GREEDY = Sampler()
+
+
+def near_copy(target, seed, eps=0.05):
+    """The target with every weight jittered: a draft that agrees often but not always."""
+    draft, g = copy.deepcopy(target), torch.Generator().manual_seed(seed)
+    for p in draft.parameters():
+        p.add_(eps * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+    return draft
+
+
+def make_pair(kind, seed):
+    """(target, draft) of one of three kinds: a stranger, a near copy, an early exit."""
+    target = tiny_llama(seed % 5, n_layers=3 + seed % 2)
+    if kind == "other":
+        return target, tiny_llama(seed % 5 + 7)
+    if kind == "near":
+        return target, near_copy(target, seed)
+    return target, SelfDraft(1 + seed % target.config.n_layers)    # layers:L, L < n_layers or all
+
+
+def run(steps, budget, eos=(), stats=None):
+    return list(generate(steps, max_new_tokens=budget, eos_ids=eos, stats=stats))
+
+
+def same_as_plain(kind, seed, K, P, budget, sampler=GREEDY, verify="rejection", **knobs):
+    target, draft = make_pair(kind, seed)
+    prompt = torch.randint(0, 16, (P,), generator=torch.Generator().manual_seed(seed)).tolist()
+    want = run(plain(target, prompt, sampler=sampler, rng=Random(seed), max_new_tokens=budget), budget)
+    got = run(decode(target, draft, prompt, sampler=sampler, rng=Random(seed), max_new_tokens=budget,
+                     num_draft=K, verify=verify, **knobs), budget)
+    return got == want
+
+
+KINDS = st.sampled_from(["other", "near", "self"])
+
+
+# --------------------------------------------------------------------------- greedy
+
+@given(kind=KINDS, seed=st.integers(0, 2**16), K=st.integers(1, 5), P=st.integers(1, 6),
+       budget=st.integers(1, 12), verify=st.sampled_from(["rejection", "coupled"]))
+def test_speculative_greedy_equals_target_greedy(kind, seed, K, P, budget, verify):
+    # Why: at temperature 0, p and q are one-hot; a draft may only change how fast we get there.
+    assert same_as_plain(kind, seed, K, P, budget, verify=verify)
+
+
+@given(kind=KINDS, seed=st.integers(0, 2**16), K=st.integers(1, 5), P=st.integers(1, 6))
+def test_adaptive_k_gives_the_greedy_tokens(kind, seed, K, P):
+    # Why: K is chosen from timings and acceptance; whatever it picks, the tokens are fixed.
+    assert same_as_plain(kind, seed, K, P, 12, adaptive=True, max_draft=6)
+
+
+def test_eos_inside_a_step_cuts_the_step_there():
+    # Why: a step emits up to K+1 tokens; an EOS among them must end the text right after it.
+    target, draft = make_pair("near", 3)
+    budget = 24
+    want = run(plain(target, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=budget), budget)
+    steps = decode(target, draft, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=budget, num_draft=5)
+    flat, eos = [], None
+    for step in steps:                 # EOS := a token first seen inside a step, not at its end
+        firsts = [x for j, x in enumerate(step.tokens[:-1]) if x not in flat + step.tokens[:j]]
+        eos = firsts[0] if eos is None and firsts else eos
+        flat += step.tokens
+        if len(flat) >= budget:
+            break
+    assert flat[:budget] == want and eos is not None
+    cut = want[:want.index(eos) + 1]
+    assert run(decode(target, draft, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=budget,
+                      num_draft=5), budget, eos=[eos]) == cut
+    assert len(cut) < budget
+
+
+@given(kind=KINDS, seed=st.integers(0, 2**16), K=st.integers(1, 5), budget=st.integers(1, 10))
+def test_steps_never_overshoot_the_budget(kind, seed, K, budget):
+    # Why: K shrinks near the end of the budget, so no forward computes tokens nobody reads,
+    # and the caches (sized prompt + budget + K + 1) never overflow.
+    target, draft = make_pair(kind, seed)
+    steps = decode(target, draft, [3], sampler=GREEDY, rng=Random(0), max_new_tokens=budget, num_draft=K)
+    emitted = 0
+    while emitted < budget:
+        emitted += len(next(steps).tokens)
+    assert emitted == budget
+
+
+# --------------------------------------------------------------------------- coupled sampling
+
+@given(kind=KINDS, seed=st.integers(0, 2**16), K=st.integers(1, 5), P=st.integers(1, 4),
+       temperature=st.sampled_from([0.5, 1.0, 1.5]), top_k=st.sampled_from([0, 3, 8]),
+       top_p=st.sampled_from([1.0, 0.9, 0.6]))
+def test_coupled_sampling_is_plain_sampling_with_the_same_seed(kind, seed, K, P, temperature, top_k, top_p):
+    # Why: the draft draws x_t with plain's key ("token", t) and the target keeps it only if its
+    # own draw with that key agrees, so every emitted token is the one plain sampling draws.
+    sampler = Sampler(temperature=temperature, top_k=top_k, top_p=top_p)
+    assert same_as_plain(kind, seed, K, P, 12, sampler=sampler, verify="coupled")
+
+
+def test_coupled_accepts_drafts_from_a_good_draft():
+    # Why: seed identity alone would also hold for a verifier that rejects every draft.
+    target, draft = make_pair("near", 1)
+    stats = Stats()
+    run(decode(target, draft, [5], sampler=Sampler(temperature=1.0), rng=Random(1), max_new_tokens=30,
+               verify="coupled"), 30, stats=stats)
+    assert stats.accepted > stats.drafted / 2 and stats.n_forwards < 20
+
+
+# --------------------------------------------------------------------------- rejection branches
+
+class Bigram(torch.nn.Module):
+    """litgpt-style fake LM: the logits after token x are table[x], whatever came before."""
+
+    def __init__(self, table):
+        super().__init__()
+        V = table.shape[-1]
+        self.config = LlamaConfig(dim=4, n_layers=1, n_heads=1, n_kv_heads=1, hidden_dim=4, vocab_size=V)
+        self.tok_embeddings = torch.nn.Embedding(V, 4)
+        self.table = table                                                    # (V, V)
+
+    def forward(self, tokens, positions, cache, keep):
+        cache.length += tokens.shape[1]
+        return self.table[tokens][:, torch.as_tensor(keep).remainder(tokens.shape[1])]  # (1, ., V)
+
+
+def bigram(seed, support, V=6):
+    table = torch.randn(V, V, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
+    off = torch.ones(V, dtype=torch.bool)
+    off[support] = False
+    return Bigram(table.masked_fill(off, float("-inf")))
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rejection_accepts_every_draft_when_p_equals_q(seed):
+    # Why: accept w.p. min(1, p/q) = 1; the residual (p - q)+ = 0 must never be reached, and the
+    # bonus is drawn from p_K with plain's key ("token", n + K).
+    lm, sampler, rng, K = bigram(seed, [0, 1, 2, 3, 4, 5]), Sampler(temperature=1.0), Random(seed), 3
+    steps = decode(lm, lm, [0], sampler=sampler, rng=rng, max_new_tokens=20, num_draft=K)
+    seq = [0]
+    for _ in range(4):
+        step = next(steps)
+        assert step.accepted == step.drafted == K and len(step.tokens) == K + 1
+        for i, x in enumerate(step.tokens[:-1]):     # drafts: ("draft", t) draws from q
+            assert x == rng.categorical(sampler.probs(lm.table[seq[-1]]), "draft", len(seq))
+            seq.append(x)
+        assert step.tokens[-1] == rng.categorical(sampler.probs(lm.table[seq[-1]]), "token", len(seq))
+        seq.append(step.tokens[-1])
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_rejection_resamples_the_residual_when_supports_are_disjoint(seed):
+    # Why: p(x) = 0 on every draft, so each is rejected and the token comes from
+    # norm((p - q)+) = p, drawn with the key ("residual", n).
+    target, draft, sampler, rng = bigram(seed, [3, 4, 5]), bigram(seed + 9, [0, 1, 2]), Sampler(1.0), Random(seed)
+    seq = [0]
+    steps = decode(target, draft, [0], sampler=sampler, rng=rng, max_new_tokens=20, num_draft=4)
+    for step in generate(steps, max_new_tokens=8):      # K is never cut short by the budget here
+        p = sampler.probs(target.table[seq[-1]])
+        assert step in (3, 4, 5) and step == rng.categorical(p, "residual", len(seq))
+        seq.append(step)
+
+
+# --------------------------------------------------------------------------- errors, the tuner
+
+def test_a_draft_with_another_vocab_is_a_clear_error():
+    # Why: a draft token id must mean the same string to the target; a mismatch fails up front,
+    # when decode() is called, not at the first next().
+    with pytest.raises(ValueError, match="vocab"):
+        decode(tiny_llama(0), tiny_llama(1, vocab=32), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4)
+    with pytest.raises(ValueError, match="layers"):
+        decode(tiny_llama(0), SelfDraft(3), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4)
+    with pytest.raises(ValueError, match="verify"):
+        decode(tiny_llama(0), SelfDraft(1), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4, verify="x")
+
+
+@pytest.mark.parametrize("alpha, c, k", [(0.6, 0.05, 4), (0.8, 0.1, 6), (0.9, 0.05, 13), (0.1, 0.5, 1)])
+def test_best_k_maximises_tokens_per_unit_time(alpha, c, k):
+    # Why: the optimum K of (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)) has no closed form; these
+    # are brute-force optima of Leviathan et al.'s walltime factor.
+    assert best_k(alpha, c, 1.0, 32) == k
+
+
+def test_tuner_follows_the_measured_acceptance():
+    # Why: a step accepting 4 of 5 drafts is 4 successes and 1 failure: alpha = 4/5 per draft.
+    tuner = speculative._Tuner(4, 32)
+    for _ in range(200):
+        tuner.update(5, 4, draft_s=0.5, target_s=1.0)       # c = 0.1 per draft token
+    assert tuner.k == best_k(0.8, 0.1, 1.0, 32) == 6
+    for _ in range(200):
+        tuner.update(5, 0, draft_s=0.5, target_s=1.0)
+    assert tuner.k == 1
+
+
+# --------------------------------------------------------------------------- the tests have teeth
+
+def accept_blindly(p, q, drafts, rng, position):
+    return drafts + [int(p[len(drafts)].argmax())]
+
+
+def forget_draft_rollback(self, n):
+    self.tcache.truncate(n)                              # the draft keeps its rejected drafts
+
+
+def keep_one_stale_slot(self, n):                        # the first rejected draft's K/V stay
+    self.tcache.truncate(min(n + 1, self.tcache.length))  # where the corrected token's belong
+    self.dcache.truncate(min(n, self.dcache.length))
+
+
+MUTANTS = {
+    "accept without comparing": ("verify_rejection", accept_blindly),
+    "draft cache not truncated": ("_Separate.rollback", forget_draft_rollback),
+    "truncate one slot too late": ("_Separate.rollback", keep_one_stale_slot),
+    "verify rows off by one": ("_Separate.verify", lambda self, tokens, positions, rows: self.target(
+        tokens, positions, self.tcache, keep=torch.arange(-rows - 1, -1))[0]),
+}
+
+
+def caught(*case):
+    try:
+        return not same_as_plain(*case)
+    except (RuntimeError, ValueError):                   # a crash is a failing test too
+        return True
+
+
+@pytest.mark.parametrize("mutant", MUTANTS)
+def test_greedy_equality_catches_broken_variants(mutant, monkeypatch):
+    # Why: a property that a wrong decoder also passes proves nothing.
+    name, fake = MUTANTS[mutant]
+    owner = speculative._Separate if "." in name else speculative
+    monkeypatch.setattr(owner, name.split(".")[-1], fake)
+    assert any(caught(kind, seed, 4, 3, 12) for kind in ("other", "near") for seed in range(4))

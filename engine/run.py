@@ -1,0 +1,155 @@
+"""The command line: python -m engine.run --decoder lookahead --prompt "..."
+
+Text streams to stdout as it is accepted; one stats line goes to stderr (or, with --json, one
+JSON object goes to stdout instead). Bad input is one `error:` line on stderr and exit code 2.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import contrastive, lookahead, speculative
+from engine.generate import Stats, generate, plain
+from engine.sampling import Random, Sampler
+from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.weights import default_checkpoint, load_model
+
+# name -> (decoder, its knobs from the parsed flags). Models are passed by `models()`.
+DECODERS = {
+    "plain": (plain, lambda a: {}),
+    "lookahead": (lookahead.decode, lambda a: dict(
+        window=a.window, ngram=a.ngram, guesses=a.guesses, trim_layers=a.trim_layers)),
+    "speculative": (speculative.decode, lambda a: dict(
+        num_draft=a.num_draft, verify=a.verify, adaptive=a.adaptive)),
+    "contrastive": (contrastive.decode, lambda a: dict(
+        alpha=a.alpha, beta=a.beta, form=a.form, speculative=a.speculative, num_draft=a.num_draft)),
+}
+SELF_DRAFT_LAYERS = 8      # the self-draft depth `make bench` found best on SmolLM2-135M
+AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
+          "float64": torch.float64}
+
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2, as for every other bad input
+        self.exit(2, f"error: {message}\n")
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m engine.run", description=__doc__.splitlines()[0])
+    p.add_argument("--decoder", default="plain", choices=DECODERS, help="decoding loop")
+    p.add_argument("--prompt", help="the prompt (default: read stdin)")
+    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="token budget")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0, help="seed of the position-keyed random source")
+    p.add_argument("--checkpoint", help="HF-format checkpoint dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    g = p.add_argument_group("lookahead (None = chosen automatically)")
+    g.add_argument("--window", type=int, help="W, Jacobi window columns")
+    g.add_argument("--ngram", type=int, help="N, n-gram size")
+    g.add_argument("--guesses", type=int, help="G, candidate n-grams verified per step")
+    g.add_argument("--trim-layers", type=int, default=0, help="freeze window rows in the last m layers")
+    g = p.add_argument_group("speculative")
+    g.add_argument("--draft", default=f"layers:{SELF_DRAFT_LAYERS}",
+                   help="draft checkpoint dir, or layers:L: the target's first L layers (default %(default)s)")
+    g.add_argument("--num-draft", type=int, default=4, help="K draft tokens per step (the start, with --adaptive)")
+    g.add_argument("--adaptive", action="store_true", help="choose K per step from measured acceptance and costs")
+    g.add_argument("--verify", default="rejection", choices=["rejection", "coupled"],
+                   help="rejection sampling, or coupled noise (seed-identical to plain)")
+    g = p.add_argument_group("contrastive")
+    g.add_argument("--amateur", default=f"layers:{AMATEUR_LAYERS}",
+                   help="amateur checkpoint dir, or layers:L: an early exit of the expert (default %(default)s)")
+    g.add_argument("--alpha", type=float, default=0.1, help="plausibility cutoff")
+    g.add_argument("--beta", type=float, default=0.5, help="amateur weight (logit form)")
+    g.add_argument("--form", default="logit", choices=["logit", "ratio"], help="score form")
+    g.add_argument("--speculative", action="store_true", help="the amateur drafts, the expert verifies")
+    return p
+
+
+def models(args) -> tuple:
+    """The second model a decoder needs: a checkpoint dir, or `layers:L` of the target itself."""
+    def second(spec: str, early_exit):
+        if spec.startswith("layers:"):
+            L = spec.split(":", 1)[1]
+            if not L.isdigit():
+                raise ValueError(f"{spec!r}: expected layers:L with L an integer")
+            return early_exit(int(L))
+        return load_model(spec, args.device, DTYPES[args.dtype])
+    if args.decoder == "speculative":
+        return (second(args.draft, speculative.SelfDraft),)
+    if args.decoder == "contrastive":
+        return (second(args.amateur, int),)   # contrastive takes an int L for an early exit
+    return ()
+
+
+def run(args) -> dict:
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.device.startswith("cuda") and not torch.cuda.is_available():
+        raise ValueError(f"--device {args.device}: CUDA is not available here")
+    sampler = Sampler(args.temperature, args.top_k, args.top_p)
+    ckpt = args.checkpoint or default_checkpoint()
+    if not Path(ckpt).is_dir():
+        raise ValueError(f"checkpoint {ckpt} is not a directory (convert a GGUF with `python -m engine.weights convert`)")
+    tok = Tokenizer.load(ckpt)
+    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    if not args.raw and tok.chat_template:
+        text = tok.render_chat([{"role": "user", "content": text}])
+    prompt = tok.encode(text)
+    model = load_model(ckpt, args.device, DTYPES[args.dtype])
+    if len(prompt) + args.max_new_tokens > model.config.max_seq_len:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
+                         f" exceeds the model's context ({model.config.max_seq_len})")
+    decode, knobs = DECODERS[args.decoder]
+    steps = decode(model, *models(args), prompt, sampler=sampler, rng=Random(args.seed),
+                   max_new_tokens=args.max_new_tokens, **knobs(args))
+    stats, out, stream, t0 = Stats(), [], StreamDecoder(tok), time.perf_counter()
+    for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids, stats=stats):
+        out.append(x)
+        if not args.json and x not in tok.eos_ids:
+            print(stream.push(x), end="", flush=True)
+    seconds = time.perf_counter() - t0
+    if not args.json:
+        print(stream.flush())
+    return {"decoder": args.decoder, "text": tok.decode([x for x in out if x not in tok.eos_ids]),
+            "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
+            "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
+            "tokens_per_second": stats.n_tokens / seconds, "prefill_seconds": stats.prefill_seconds,
+            "decode_tokens_per_second": stats.decode_tokens_per_second,
+            "acceptance": stats.accepted / stats.drafted if stats.drafted else None,
+            "step_lengths": dict(sorted(stats.step_lengths.items()))}
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parser().parse_args(argv)
+    try:
+        result = run(args)
+    except (ValueError, OSError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        hist = " ".join(f"{k}:{v}" for k, v in result["step_lengths"].items())
+        acc = "" if result["acceptance"] is None else f" | acceptance {result['acceptance']:.2f}"
+        print(f"[{result['decoder']}] {result['n_tokens']} tokens | {result['n_forwards']} forwards | "
+              f"{result['tokens_per_forward']:.2f} tok/forward | prefill {result['prefill_seconds']:.2f} s | "
+              f"decode {result['decode_tokens_per_second']:.1f} tok/s{acc} | tokens per step {hist}",
+              file=sys.stderr)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -35,6 +35,7 @@ class Stats:
     n_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    hits: int = 0                    # steps that accepted at least one draft token
     first_step_tokens: int = 0       # tokens the prefill forward produced
     prefill_seconds: float = 0.0     # until the first step (the prompt's forward)
     decode_seconds: float = 0.0      # every step after it
@@ -82,6 +83,7 @@ def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[in
         stats.n_forwards += step.forwards
         stats.drafted += step.drafted
         stats.accepted += step.accepted
+        stats.hits += step.accepted > 0
         take = step.tokens[:max_new_tokens - n]
         for j, x in enumerate(take):
             if x in eos:

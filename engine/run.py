@@ -27,7 +27,8 @@ DECODERS = {
     "speculative": (speculative.decode, lambda a: dict(
         num_draft=a.num_draft, verify=a.verify, adaptive=a.adaptive)),
     "contrastive": (contrastive.decode, lambda a: dict(
-        alpha=a.alpha, beta=a.beta, form=a.form, speculative=a.speculative, num_draft=a.num_draft)),
+        alpha=a.alpha, beta=a.beta, form=a.form, amateur_temperature=a.amateur_temperature,
+        speculative=a.speculative, num_draft=a.num_draft)),
 }
 SELF_DRAFT_LAYERS = 8      # the self-draft depth `make bench` found best on SmolLM2-135M
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
@@ -69,8 +70,9 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("contrastive")
     g.add_argument("--amateur", default=f"layers:{AMATEUR_LAYERS}",
                    help="amateur checkpoint dir, or layers:L: an early exit of the expert (default %(default)s)")
-    g.add_argument("--alpha", type=float, default=0.1, help="plausibility cutoff")
+    g.add_argument("--alpha", type=float, default=0.1, help="keep tokens with p_E >= alpha * max p_E")
     g.add_argument("--beta", type=float, default=0.5, help="amateur weight (logit form)")
+    g.add_argument("--amateur-temperature", type=float, default=1.0, help="tau: p_A = softmax(l_A / tau)")
     g.add_argument("--form", default="logit", choices=["logit", "ratio"], help="score form")
     g.add_argument("--speculative", action="store_true", help="the amateur drafts, the expert verifies")
     return p
@@ -129,6 +131,7 @@ def run(args) -> dict:
             "tokens_per_second": stats.n_tokens / seconds, "prefill_seconds": stats.prefill_seconds,
             "decode_tokens_per_second": stats.decode_tokens_per_second,
             "acceptance": stats.accepted / stats.drafted if stats.drafted else None,
+            "hit_rate": stats.hits / stats.n_forwards if stats.drafted else None,
             "step_lengths": dict(sorted(stats.step_lengths.items()))}
 
 
@@ -143,7 +146,8 @@ def main(argv: list[str] | None = None) -> int:
         print(json.dumps(result))
     else:
         hist = " ".join(f"{k}:{v}" for k, v in result["step_lengths"].items())
-        acc = "" if result["acceptance"] is None else f" | acceptance {result['acceptance']:.2f}"
+        acc = "" if result["acceptance"] is None else \
+            f" | acceptance {result['acceptance']:.2f} | hit rate {result['hit_rate']:.2f}"
         print(f"[{result['decoder']}] {result['n_tokens']} tokens | {result['n_forwards']} forwards | "
               f"{result['tokens_per_forward']:.2f} tok/forward | prefill {result['prefill_seconds']:.2f} s | "
               f"decode {result['decode_tokens_per_second']:.1f} tok/s{acc} | tokens per step {hist}",

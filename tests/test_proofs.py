@@ -8,9 +8,10 @@ is exact to float64 rounding: a decoder that is off by 1e-6 anywhere fails.
 import itertools
 
 import pytest
+import torch
 
 from conftest import tiny_llama
-from engine import speculative
+from engine import contrastive, speculative
 from engine.generate import plain
 from engine.sampling import Sampler
 from exact_law import decoder_law, llama_next_probs, max_gap, reference_law
@@ -33,6 +34,30 @@ def spec_run(draft, K, verify="rejection", adaptive=False):
     return run
 
 
+def cd_run(amateur, K=0, form="logit"):
+    def run(sampler, n):
+        return lambda rng: contrastive.decode(
+            TARGET, amateur, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, alpha=0.1, beta=0.5,
+            amateur_temperature=0.8, form=form, speculative=K > 0, num_draft=K)
+    return run
+
+
+def cd_law(amateur, form="logit"):
+    """The contrastive law: p_CD(x | prefix) = probs(scores(expert, amateur)) at every prefix."""
+    def law(sampler, n, eos=()):
+        def next_probs(prefix):
+            tokens = torch.tensor([PROMPT + list(prefix)])
+            pos = torch.arange(tokens.shape[1])
+            e = TARGET(tokens, pos)[0, -1]
+            if isinstance(amateur, int):
+                a = TARGET.head(TARGET.blocks(TARGET.tok_embeddings(tokens), pos, stop=amateur))[0, -1]
+            else:
+                a = amateur(tokens, pos)[0, -1]
+            return sampler.probs(contrastive.scores(e, a, 0.1, 0.5, form, 0.8))
+        return reference_law(next_probs, n, eos)
+    return law
+
+
 def target_law(sampler, n, eos=()):
     return reference_law(llama_next_probs(TARGET, PROMPT, sampler), n, eos)
 
@@ -46,6 +71,10 @@ ENTRIES = {
     "speculative self-draft L=1 K=2": (spec_run(speculative.SelfDraft(1), 2), target_law, 3),
     "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 3),
+    "contrastive, separate amateur": (cd_run(DRAFT), cd_law(DRAFT), 3),
+    "contrastive ratio form, early exit L=1": (cd_run(1, form="ratio"), cd_law(1, "ratio"), 3),
+    "speculative contrastive K=2 (budget 2)": (cd_run(DRAFT, K=2), cd_law(DRAFT), 2),
+    "speculative contrastive early exit L=2 K=1": (cd_run(2, K=1), cd_law(2), 3),
 }
 
 

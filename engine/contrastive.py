@@ -1,0 +1,146 @@
+"""Contrastive decoding: emit the tokens an expert likes much more than an amateur does.
+
+Li et al. 2022, "Contrastive Decoding: Open-ended Text Generation as Optimization"
+(arXiv 2210.15097); the logit form of O'Brien & Lewis 2023, "Contrastive Decoding Improves
+Reasoning in Large Language Models" (arXiv 2309.09117); speculative contrastive decoding,
+Yuan et al. 2023 (arXiv 2311.08981). Not contrastive *search*, which is another algorithm.
+
+The amateur is a second Llama with the expert's vocabulary, or an int L: the expert's own
+first L layers read out through its final norm and LM head (an early exit), taken from the
+expert's forward itself, so it costs one more LM-head row per token and nothing else.
+
+But: no beam search (the authors' default), one amateur, batch size 1.
+"""
+from __future__ import annotations
+
+import math
+from typing import Iterator
+
+import torch
+from torch import Tensor
+
+from engine.generate import Step
+from engine.kvcache import KVCache
+from engine.llama import Llama
+from engine.sampling import Random, Sampler, verify_rejection
+
+
+def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, beta: float = 0.5,
+           form: str = "logit", amateur_temperature: float = 1.0) -> Tensor:
+    """(..., V) contrastive scores in float64, -inf outside the plausible set V_head.
+
+        V_head = {x : p_E(x) >= alpha * max_w p_E(w)}
+        "ratio" (Li et al.):         s(x) = log p_E(x) - log p_A(x)          (beta unused)
+        "logit" (O'Brien & Lewis):   s(x) = (1 + beta) l_E(x) - beta l_A(x) / tau
+    where p_A = softmax(l_A / tau), tau = amateur_temperature: tau < 1 sharpens the amateur,
+    so its confident picks are penalised harder. Per row, l_A / tau and log p_A differ by a
+    constant, as do our log p_A and the authors' log_softmax(l_A) / tau; the softmax or argmax
+    that follows removes any per-row constant, so all three choices pick the same tokens.
+    Example: l_E = [2, 1.5, 0], l_A = [3, 0, 0], beta = 0.5 -> s = [1.5, 2.25, 0].
+    """
+    if form not in ("logit", "ratio"):
+        raise ValueError(f"form must be 'logit' or 'ratio', got {form!r}")
+    if not 0 <= alpha <= 1 or not amateur_temperature > 0:
+        raise ValueError(f"need 0 <= alpha <= 1 and amateur_temperature > 0, "
+                         f"got {alpha} and {amateur_temperature}")
+    e = expert_logits.double()                                              # (..., V)
+    a = amateur_logits.double() / amateur_temperature                       # (..., V)
+    if form == "ratio":
+        s = e.log_softmax(-1) - a.log_softmax(-1)
+    else:
+        s = (1 + beta) * e - beta * a
+    # p_E(x) >= alpha max p_E  <=>  l_E(x) >= max l_E + log alpha: the normaliser cancels, and
+    # subtle: max + log(alpha) <= max even after rounding, so the argmax is always kept
+    cutoff = e.amax(-1, keepdim=True) + (math.log(alpha) if alpha > 0 else -math.inf)
+    return s.masked_fill(e < cutoff, float("-inf"))
+
+
+def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: Sampler,
+           rng: Random, max_new_tokens: int, alpha: float = 0.1, beta: float = 0.5,
+           amateur_temperature: float = 1.0, form: str = "logit", speculative: bool = False,
+           num_draft: int = 4) -> Iterator[Step]:
+    """Contrastive decoding; with `speculative`, the amateur drafts K = num_draft tokens.
+
+        pending = prompt; K = num_draft if speculative else 0
+        loop:                                              # one expert forward per iteration
+            t = length of prefix + pending                 # position of the first new token
+            for i in 0..K:  a_i = amateur(prefix, pending, d_<i)[-1]
+                            if i < K: d_i ~ q_i = probs(a_i) with key ("draft", t + i)
+            e_0..e_K = expert(prefix, pending + d_0..d_K-1)[-K-1:]
+            p_i = probs(scores(e_i, a_i))                  # the contrastive law at t + i
+            out = verify_rejection(p, q, d, rng, t)        # K = 0: x ~ p_0, key ("token", t)
+            truncate caches to t + len(out) - 1; yield out; pending = out[-1:]
+    Tokens follow p_CD = probs(scores(expert, amateur)) exactly, drafts or not: rejection
+    sampling keeps the target law for any q (here the sampler on the raw amateur logits), and
+    a_i is the amateur at the very position e_i verifies. With an early-exit amateur, drafting
+    runs layers < L and the verifying pass resumes at L on the same states: layers < L see
+    only tokens, so their K/V and states are what a full forward would compute.
+    """
+    early = isinstance(amateur, int)
+    if early and not 0 <= amateur < expert.config.n_layers:
+        raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur}")
+    if not early and amateur.config.vocab_size != expert.config.vocab_size:
+        raise ValueError(f"amateur vocab {amateur.config.vocab_size} != expert vocab "
+                         f"{expert.config.vocab_size}")
+    scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs
+    if speculative and num_draft < 1:
+        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
+    K = num_draft if speculative else 0
+    capacity = len(prompt) + max_new_tokens + K
+    cache = KVCache.for_model(expert, capacity)
+    a_cache = None if early else KVCache.for_model(amateur, capacity)
+    device = expert.tok_embeddings.weight.device
+    pending = list(prompt)
+    while True:
+        start = cache.length
+        t = start + len(pending)
+        feed, drafts, hs, a_rows, q_rows = pending, [], [], [], []
+        # subtle: pass K feeds d_K-1 only for a_K, the amateur row the bonus position needs
+        for i in range(K + 1):
+            h, a = _amateur(expert, amateur, cache, a_cache, torch.tensor([feed], device=device))
+            hs.append(h)
+            a_rows.append(a)                                                # (V,)
+            if i < K:
+                q_rows.append(sampler.probs(a))                             # (V,) float64
+                drafts.append(rng.categorical(q_rows[-1], "draft", t + i))
+                feed = drafts[-1:]
+        tokens = torch.tensor([pending + drafts], device=device)           # (1, T)
+        e = _expert(expert, amateur, cache, tokens, hs, start, K + 1)       # (K+1, V)
+        p = sampler.probs(scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature))
+        q = torch.stack(q_rows) if K else p[:0]                             # (K, V)
+        out = verify_rejection(p, q, drafts, rng, t)
+        for c in (cache, a_cache):
+            if c is not None:
+                c.truncate(t + len(out) - 1)                                # keep accepted drafts
+        yield Step(out, drafted=K, accepted=len(out) - 1)
+        pending = out[-1:]
+
+
+@torch.no_grad()
+def _amateur(expert: Llama, amateur: Llama | int, cache: KVCache, a_cache: KVCache | None,
+             tokens: Tensor) -> tuple[Tensor | None, Tensor]:
+    """Feed tokens (1, T) to the amateur: (its layer-L states (1, T, C) or None, last logits (V,))."""
+    c = cache if isinstance(amateur, int) else a_cache
+    positions = torch.arange(c.length, c.length + tokens.shape[1], device=tokens.device)
+    if not isinstance(amateur, int):
+        return None, amateur(tokens, positions, c, keep=[-1])[0, -1]
+    h = expert.blocks(expert.tok_embeddings(tokens), positions, cache, stop=amateur)  # (1, T, C)
+    # subtle: step past these slots so the next draft sees their layer < L K/V, which are
+    # final (they depend on the tokens alone); layers >= L there stay stale until _expert
+    cache.length += tokens.shape[1]
+    return h, expert.head(h[:, -1:])[0, -1]
+
+
+@torch.no_grad()
+def _expert(expert: Llama, amateur: Llama | int, cache: KVCache, tokens: Tensor,
+            hs: list, start: int, rows: int) -> Tensor:
+    """Logits (rows, V) of the last rows of tokens (1, T), written at cache slots [start, +T)."""
+    T = tokens.shape[1]
+    positions = torch.arange(start, start + T, device=tokens.device)
+    if not isinstance(amateur, int):
+        return expert(tokens, positions, cache, keep=torch.arange(T - rows, T))[0]
+    # early exit: the drafting pass already ran layers < L on these T rows; resume at L
+    cache.length = start
+    x = expert.blocks(torch.cat(hs, 1), positions, cache, start=amateur)   # (1, T, C)
+    cache.length = start + T
+    return expert.head(x[:, T - rows:])[0]

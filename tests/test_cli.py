@@ -1,0 +1,82 @@
+"""The CLI as a new user meets it: one-line errors, exit 2, and the same text from every
+greedy decoder as from plain on the real checkpoint."""
+import json
+
+import pytest
+
+from engine.run import main
+from engine.weights import DEFAULT_CHECKPOINT
+
+real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
+                          reason="needs the converted checkpoint (make weights)")
+
+
+@pytest.mark.parametrize("argv,words", [
+    (["--decoder", "nope", "--prompt", "hi"], "invalid choice"),
+    (["--temperature", "-1", "--prompt", "hi"], "temperature"),
+    (["--top-p", "0", "--prompt", "hi"], "top-p"),
+    (["--top-p", "1.5", "--prompt", "hi"], "top-p"),
+    (["--max-new-tokens", "0", "--prompt", "hi"], "max-new-tokens"),
+    (["--checkpoint", "/nonexistent/ckpt", "--prompt", "hi"], "not a directory"),
+    (["--device", "cuda:0", "--prompt", "hi"], "CUDA"),
+])
+def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
+    with pytest.raises(SystemExit) as e:
+        code = main(argv)
+        raise SystemExit(code)
+    err = capsys.readouterr().err
+    assert e.value.code == 2 and words in err and len(err.strip().splitlines()) == 1, err
+
+
+@real
+@pytest.mark.parametrize("argv,words", [
+    (["--prompt", "   "], "empty"),
+    (["--prompt", "hi", "--max-new-tokens", "9000"], "context"),
+    (["--decoder", "speculative", "--draft", "layers:x", "--prompt", "hi"], "layers:L"),
+    (["--decoder", "speculative", "--draft", "layers:99", "--prompt", "hi"], "layers"),
+])
+def test_bad_input_on_the_real_checkpoint_is_one_line_and_exit_2(argv, words, capsys):
+    assert main(argv) == 2
+    err = capsys.readouterr().err
+    assert words in err and len(err.strip().splitlines()) == 1, err
+
+
+def run_json(argv, capsys):
+    assert main(argv + ["--json"]) == 0
+    return json.loads(capsys.readouterr().out)
+
+
+@real
+def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
+    # Why: the same chat-templated prompt through HF transformers gave this text (golden.json).
+    out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20"], capsys)
+    assert out["text"] == "The capital of France is Paris."
+    assert out["n_tokens"] == out["n_forwards"] == 8   # 7 tokens + <|im_end|>
+
+
+PROMPT = "Write a Python function that reverses a string."
+GREEDY_DECODERS = {
+    "lookahead": ["--decoder", "lookahead"],
+    "lookahead trimmed": ["--decoder", "lookahead", "--trim-layers", "2"],
+    "speculative": ["--decoder", "speculative"],
+    "speculative coupled": ["--decoder", "speculative", "--verify", "coupled", "--adaptive"],
+    "contrastive beta=0": ["--decoder", "contrastive", "--beta", "0"],
+}
+
+
+@real
+@pytest.mark.parametrize("name", GREEDY_DECODERS)
+def test_greedy_decoders_print_what_plain_prints(name, capsys):
+    # Why: a user switching --decoder at temperature 0 must see the same text, only faster.
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0"]
+    plain = run_json(argv + ["--decoder", "plain"], capsys)
+    other = run_json(argv + GREEDY_DECODERS[name], capsys)
+    assert other["tokens"] == plain["tokens"] and other["text"] == plain["text"]
+
+
+@real
+def test_streamed_text_equals_the_json_text(capsys):
+    argv = ["--prompt", "Say hi in French.", "--max-new-tokens", "12"]
+    assert main(argv) == 0
+    streamed = capsys.readouterr().out
+    assert streamed.rstrip("\n") == run_json(argv, capsys)["text"]

@@ -1,0 +1,196 @@
+"""Lookahead decoding's contract: whatever the window, pool and trimming do, the tokens are
+plain decoding's, greedy or sampled with the same seed; and the tests can tell a broken one."""
+import re
+
+import pytest
+import torch
+from hypothesis import Phase, given, settings, strategies as st
+
+from conftest import tiny_llama
+from engine import lookahead
+from engine.generate import Stats, generate, plain
+from engine.kvcache import KVCache
+from engine.sampling import Random, Sampler, verify_match
+
+GREEDY = Sampler()
+
+
+def run(decoder, model, prompt, n, *, sampler=GREEDY, seed=0, eos=(), stats=None, **knobs):
+    steps = decoder(model, prompt, sampler=sampler, rng=Random(seed), max_new_tokens=n, **knobs)
+    return list(generate(steps, max_new_tokens=n, eos_ids=eos, stats=stats))
+
+
+def prompt_for(seed, P, V):
+    return torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+# --------------------------------------------------------------------------- exactness
+
+GREEDY_CASES = dict(seed=st.integers(0, 2**16), V=st.integers(4, 8), P=st.integers(1, 8),
+                    n=st.integers(1, 30), W=st.integers(1, 6), N=st.integers(2, 5),
+                    G=st.integers(0, 6), eos=st.one_of(st.none(), st.integers(0, 7)))
+
+
+@given(**GREEDY_CASES)
+def test_lookahead_greedy_equals_plain_greedy(seed, V, P, n, W, N, G, eos):
+    # Why: lookahead only reorganises work; greedy output must be token-identical, including
+    # where an EOS or the budget cuts a multi-token step. A small vocab makes n-grams repeat.
+    model, prompt = tiny_llama(seed % 5, vocab=V), prompt_for(seed, P, V)
+    eos = () if eos is None else (eos % V,)
+    want = run(plain, model, prompt, n, eos=eos)
+    got = run(lookahead.decode, model, prompt, n, eos=eos, window=W, ngram=N, guesses=G)
+    assert got == want
+
+
+CORNERS = [(1, 2, 0), (1, 2, 4), (4, 2, 0), (1, 5, 6), (6, 5, 0), (3, 3, 2)]
+
+
+@pytest.mark.parametrize("W, N, G", CORNERS)
+def test_corner_shapes_equal_plain_greedy(W, N, G):
+    # Why: W=1, N=2 (pure Jacobi), G=0 (no guesses) and a one-token prompt are the edges of
+    # every index computation in the layout.
+    for seed in range(3):
+        model = tiny_llama(seed, vocab=6)
+        for prompt in ([seed], prompt_for(seed, 5, 6)):
+            want = run(plain, model, prompt, 24)
+            assert run(lookahead.decode, model, prompt, 24, window=W, ngram=N, guesses=G) == want
+
+
+@given(seed=st.integers(0, 2**16), V=st.integers(4, 8), P=st.integers(1, 6), n=st.integers(1, 24),
+       temperature=st.sampled_from([0.3, 0.7, 1.0, 1.6]), top_k=st.integers(0, 8),
+       top_p=st.sampled_from([1.0, 0.9, 0.6]), N=st.integers(2, 5))
+def test_lookahead_sampling_is_seed_identical_to_plain(seed, V, P, n, temperature, top_k, top_p, N):
+    # Why: verify_match draws position t with the key plain sampling uses, so the same seed
+    # must give the same text: the output law is plain sampling's, not just close to it.
+    model, prompt = tiny_llama(seed % 5, vocab=V), prompt_for(seed, P, V)
+    sampler = Sampler(temperature, top_k, top_p)
+    want = run(plain, model, prompt, n, sampler=sampler, seed=seed)
+    assert run(lookahead.decode, model, prompt, n, sampler=sampler, seed=seed, ngram=N) == want
+
+
+@pytest.mark.parametrize("trim", [1, 2])
+def test_trimmed_window_layers_keep_greedy_output(trim):
+    # Why: trimming freezes the window's older levels in the last layers; guess rows never see
+    # the window and prompt rows are trimmed at most one layer, so the text cannot change.
+    for seed in range(4):
+        model, prompt = tiny_llama(seed, vocab=6, n_layers=3), prompt_for(seed, 4, 6)
+        want = run(plain, model, prompt, 30)
+        assert run(lookahead.decode, model, prompt, 30, trim_layers=trim) == want
+
+
+def test_eos_inside_an_accepted_block_stops_like_plain():
+    # Why: generate() must cut a multi-token step right after the EOS, not at the step's end.
+    model, prompt = tiny_llama(1, vocab=6), prompt_for(1, 4, 6)
+    decoder = lookahead.decode(model, prompt, sampler=GREEDY, rng=Random(0), max_new_tokens=40)
+    text = []
+    for step in decoder:                  # first token that is new to the text, mid-step
+        fresh = [j for j, t in enumerate(step.tokens) if j > 0 and t not in text + step.tokens[:j]]
+        if fresh:
+            eos, cut = step.tokens[fresh[0]], len(text) + fresh[0] + 1
+            break
+        text += step.tokens
+        assert len(text) < 40, "no step emitted a fresh token mid-step"
+    want = run(plain, model, prompt, 40, eos=(eos,))
+    assert len(want) == cut and want[-1] == eos
+    assert run(lookahead.decode, model, prompt, 40, eos=(eos,)) == want
+
+
+def test_budget_ending_inside_a_step_equals_plain():
+    # Why: the last step usually overshoots max_new_tokens; the cut must fall mid-step cleanly.
+    model, prompt = tiny_llama(2, vocab=6), prompt_for(2, 4, 6)
+    bounds, total = set(), 0
+    for step in lookahead.decode(model, prompt, sampler=GREEDY, rng=Random(0), max_new_tokens=20):
+        total += len(step.tokens)
+        bounds.add(total)
+        if total >= 20:
+            break
+    assert set(range(1, 20)) - bounds, "every budget fell on a step boundary"
+    for n in range(1, 20):
+        assert run(lookahead.decode, model, prompt, n) == run(plain, model, prompt, n)
+
+
+@pytest.mark.parametrize("sampler", [GREEDY, Sampler(0.7)])
+def test_guesses_really_get_accepted_on_the_tiny_model(sampler):
+    # Why: the equality tests are vacuous if no guess is ever accepted; show multi-token steps,
+    # full matches (N tokens: N-1 guesses plus the bonus) and fewer forwards than tokens.
+    stats = Stats()
+    for seed in range(3):
+        model, prompt = tiny_llama(seed, vocab=6), prompt_for(seed, 5, 6)
+        run(lookahead.decode, model, prompt, 40, sampler=sampler, seed=seed, stats=stats,
+            window=5, ngram=4, guesses=5)
+    assert stats.accepted > 0 and max(stats.step_lengths) == 4
+    assert stats.tokens_per_forward > 1.5
+
+
+# --------------------------------------------------------------------------- teeth
+
+def sabotaged_greedy_test():
+    # the property test's body, under the same strategies, without shrinking or the example
+    # database, so that a sabotaged run fails fast and leaves nothing behind
+    inner = test_lookahead_greedy_equals_plain_greedy.hypothesis.inner_test
+    quick = settings(max_examples=60, phases=[Phase.generate], database=None, deadline=None)
+    return quick(given(**GREEDY_CASES)(inner))
+
+
+def test_property_test_catches_unchecked_guesses(monkeypatch):
+    # Why: a decoder that takes the first guess without checking it must fail the equality test.
+    def blind(first, rows, candidates, sampler, rng, position):
+        if not len(candidates):
+            return verify_match(first, rows, candidates, sampler, rng, position)
+        return candidates[0].tolist() + [int(rows[0, -1].argmax())], 0
+    monkeypatch.setattr(lookahead, "verify_match", blind)
+    with pytest.raises(AssertionError):
+        sabotaged_greedy_test()()
+
+
+def test_property_test_catches_wrong_cache_slots(monkeypatch):
+    # Why: keeping the K/V of the row next to each accepted one (an off-by-one in the slot
+    # arithmetic) corrupts every later token. (Their order alone would not: attention is
+    # invariant to the order of the keys, RoPE carries the positions.)
+    keep = KVCache.keep
+    shifted = lambda self, n, slots: keep(self, n, [min(s + 1, self.length - 1) for s in slots])
+    monkeypatch.setattr(KVCache, "keep", shifted)
+    with pytest.raises(AssertionError):
+        sabotaged_greedy_test()()
+
+
+# --------------------------------------------------------------------------- pieces
+
+def test_tree_mask_is_the_documented_picture():
+    # Why: the docstring's picture is the spec of the mask; it must be what the code builds.
+    names = "the a1 a2 b0 b1 b2 cat sat dog ran".split()
+    ids = {name: i for i, name in enumerate(names)}
+    window = [[-1, ids["a1"], ids["a2"]], [ids["b0"], ids["b1"], ids["b2"]]]
+    guesses = [(ids["cat"], ids["sat"]), (ids["dog"], ids["ran"])]
+    tokens, parent, newest, paths = lookahead.layout(ids["the"], window, guesses)
+    lines = [l.split("|") for l in lookahead.tree_mask.__doc__.splitlines() if "|" in l][1:]
+    picture = torch.tensor([[c == "x" for c in right.split()] for _, right in lines])
+    offset = lambda pos: int(re.fullmatch(r"P\+?(\d*)", pos).group(1) or 0)  # "P+2" -> 2
+    positions = [offset(left.split()[1]) for left, _ in lines]
+    mask = lookahead.tree_mask(parent)
+    assert tokens == list(range(10)) and [left.split()[0] for left, _ in lines] == names
+    assert torch.equal(mask, picture)
+    assert (mask.sum(1) - 1).tolist() == positions
+    assert newest == [3, 4, 5] and paths == [[6, 7], [8, 9]]
+
+
+def test_guesses_sharing_a_prefix_share_rows():
+    # Why: a prefix tree verifies each distinct prefix once; both guesses read the same row.
+    tokens, parent, newest, paths = lookahead.layout(9, [[-1, 1], [2, 3]], [(5, 6), (5, 7)])
+    assert paths == [[4, 5], [4, 6]] and parent[4:] == [0, 4, 4] and tokens[4:] == [5, 6, 7]
+
+
+def test_pool_keeps_the_g_most_recently_seen_grams_per_first_token():
+    pool = lookahead.Pool(2, 3)
+    pool.add_text([1, 2, 3, 1, 2, 4, 1, 2, 3, 1, 5, 6])
+    # key 1 saw (2,3), (2,4), (2,3) again, then (5,6): (2,4) is the least recently seen
+    assert pool.guesses(1) == [(5, 6), (2, 3)]
+    assert pool.guesses(7) == [] and lookahead.Pool(0, 3).guesses(1) == []
+
+
+def test_window_column_zero_is_keyed_by_the_last_token():
+    # Why: column 0's chain starts at x, not at the dead slot of level 0 (llama.cpp's slip).
+    pool = lookahead.Pool(4, 3)
+    grid = lookahead.advance(pool, [[99, 1], [2, 3]], x=7, new=[4, 5])
+    assert pool.guesses(7) == [(2, 4)] and pool.guesses(1) == [(3, 5)] and 99 not in pool.grams
+    assert grid == [[2, 3], [4, 5]]

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine import contrastive, speculative
+from engine import contrastive, lookahead, speculative
 from engine.generate import plain
 from engine.sampling import Sampler
 from exact_law import decoder_law, llama_next_probs, max_gap, reference_law
@@ -31,6 +31,13 @@ def spec_run(draft, K, verify="rejection", adaptive=False):
         return lambda rng: speculative.decode(
             TARGET, draft, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=K,
             verify=verify, adaptive=adaptive, max_draft=3, clock=itertools.count().__next__)
+    return run
+
+
+def la_run(W, N, G):
+    def run(sampler, n):
+        return lambda rng: lookahead.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
+                                            window=W, ngram=N, guesses=G)
     return run
 
 
@@ -71,6 +78,8 @@ ENTRIES = {
     "speculative self-draft L=1 K=2": (spec_run(speculative.SelfDraft(1), 2), target_law, 3),
     "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 3),
+    "lookahead W=2 N=3 G=2": (la_run(2, 3, 2), target_law, 3),
+    "lookahead W=3 N=2 G=3": (la_run(3, 2, 3), target_law, 3),
     "contrastive, separate amateur": (cd_run(DRAFT), cd_law(DRAFT), 3),
     "contrastive ratio form, early exit L=1": (cd_run(1, form="ratio"), cd_law(1, "ratio"), 3),
     "speculative contrastive K=2 (budget 2)": (cd_run(DRAFT, K=2), cd_law(DRAFT), 2),

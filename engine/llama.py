@@ -138,6 +138,53 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(self.w1(x)) * self.w3(x))           # SwiGLU: (B, T, F) -> (B, T, C)
 
 
+class PackedLinear(nn.Module):
+    """y = x W^T through MKL's prepacked sgemm (CPU, fp32): k rows cost little more than one.
+
+    F.linear leaves MKL's one-row routine for k > 1 rows and repacks W on every call; here W
+    is packed once, at load time. The packed copy is a snapshot: prepack after the weights
+    are final, and never move the module to another device afterwards.
+    """
+
+    def __init__(self, weight: Tensor, row_multiple: int = 1):
+        super().__init__()
+        self.weight = weight                                          # (out, in), still shared
+        self.row_multiple = row_multiple
+        # the packing's row-count hint only tunes the layout; one packing serves every k
+        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 4)
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, x.shape[-1])                               # (n, in), n = B*T
+        n = x2.shape[0]
+        # subtle: MKL rounds a row the same way whatever the row count only when that count
+        # is a multiple of 4 (1-3 rows, and with 2 threads 5-7 and 9-11, take other kernels);
+        # zero rows up to row_multiple=4 make a row's output independent of its batch
+        x2 = F.pad(x2, (0, 0, 0, -n % self.row_multiple))             # (n rounded up, in)
+        y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, None, x2.shape[0])
+        return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
+
+
+def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
+    """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
+    the model is fp32 on a CPU with MKL (CUDA and other dtypes keep nn.Linear).
+
+    batch_invariant: pad rows to a multiple of 4 so a row's logits never depend on how many
+    rows shared its forward (the matmuls only; one-row steps then cost a 4-row matmul).
+    """
+    m = 4 if batch_invariant else 1
+    w = model.tok_embeddings.weight
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkl.is_available():
+        return model
+    for block in model.layers:
+        for parent in (block.attention, block.feed_forward):
+            for name, child in list(parent.named_children()):
+                if isinstance(child, nn.Linear) and child.bias is None:
+                    setattr(parent, name, PackedLinear(child.weight, m))
+    head = w if model.config.tie_embeddings else model.output.weight
+    model.packed_head = PackedLinear(head.detach(), m)  # detached: no second state_dict entry
+    return model
+
+
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -168,6 +215,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
+        self.packed_head: PackedLinear | None = None  # set by prepack()
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | None = None,
@@ -215,5 +263,6 @@ class Llama(nn.Module):
     def head(self, x: Tensor) -> Tensor:
         """Final norm + LM head: (B, T, C) -> logits (B, T, V), at least fp32."""
         w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
-        logits = F.linear(self.norm(x), w)
+        h = self.norm(x)
+        logits = self.packed_head(h) if self.packed_head is not None else F.linear(h, w)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

@@ -25,6 +25,7 @@ is `generate()`'s job), so an EOS may sit in the window like any other token.
 """
 from __future__ import annotations
 
+import time
 from collections import OrderedDict
 from typing import Iterator
 
@@ -155,12 +156,43 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 
 # --------------------------------------------------------------------------- decoder
 
-DEFAULTS = (5, 4, 5)   # W, N, G: (N-1)(W+G) = 30 rows a step; to be tuned on real weights
+DEFAULT_N = 5                          # n-gram size when --ngram is not given
+AUTO = ((4, 4), (8, 8), (15, 15))     # (W, G) arms of the automatic choice, cheap to costly
+
+
+class Auto:
+    """Pick (W, G) per step to maximise measured tokens per second, among AUTO's arms.
+
+    Every arm is exact, so switching never changes the output, only the speed. Each arm keeps
+    decayed sums of the tokens it emitted and the seconds its steps took (forward + verify):
+    the measured cost of its (N-1)(W+G)-row forward on this device and the acceptance seen so
+    far, in one ratio. Untried arms go first; an arm left alone for `retry` steps is retried.
+    """
+
+    def __init__(self, arms, decay: float = 0.8, retry: int = 24):
+        self.arms, self.decay, self.retry = arms, decay, retry
+        self.tokens = [0.0] * len(arms)
+        self.seconds = [0.0] * len(arms)
+        self.last = [-1] * len(arms)
+        self.step = 0
+
+    def choose(self) -> int:
+        self.step += 1
+        stale = [a for a in range(len(self.arms))
+                 if self.last[a] < 0 or self.step - self.last[a] > self.retry]
+        if stale:                                    # untried (last = -1) or not seen for long
+            return stale[0]
+        return max(range(len(self.arms)), key=lambda a: self.tokens[a] / max(self.seconds[a], 1e-9))
+
+    def update(self, arm: int, tokens: int, seconds: float) -> None:
+        self.tokens[arm] = self.decay * self.tokens[arm] + tokens
+        self.seconds[arm] = self.decay * self.seconds[arm] + seconds
+        self.last[arm] = self.step
 
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
            window: int | None = None, ngram: int | None = None, guesses: int | None = None,
-           trim_layers: int = 0) -> Iterator[Step]:
+           trim_layers: int = 0, clock=time.perf_counter) -> Iterator[Step]:
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
         pool <- n-grams of prompt; window <- N-1 levels x W copied from prompt; x <- prompt[-1]
@@ -174,9 +206,15 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
     `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens accepted
     (> 0 iff the pool hit). `trim_layers` freezes the window's older levels in the last layers.
-    A knob left None takes its value from DEFAULTS.
+    With window and guesses both None, (W, G) is chosen per step by `Auto` (N = DEFAULT_N
+    unless given); with either given, the other defaults to it.
     """
-    W, N, G = (d if k is None else k for k, d in zip((window, ngram, guesses), DEFAULTS))
+    N = DEFAULT_N if ngram is None else ngram
+    auto = Auto(AUTO) if window is None and guesses is None else None
+    W = window if window is not None else guesses
+    G = guesses if guesses is not None else window
+    if auto:
+        W, G = max(w for w, _ in AUTO), max(g for _, g in AUTO)   # capacity for the largest arm
     if not prompt:
         raise ValueError("lookahead needs a prompt of at least one token")
     if W < 1 or N < 2 or G < 0:
@@ -188,7 +226,13 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     grid = init_window(prompt, W, N)
     text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
     while True:
-        cands = pool.guesses(x)
+        arm = auto.choose() if auto and not prefix else None
+        if arm is not None:
+            W, G = AUTO[arm]
+            fill = (text[-W:] * W)[:W]                 # new columns start from recent text
+            grid = [(level + fill)[:W] for level in grid]
+        t0 = clock()
+        cands = pool.guesses(x)[:G]
         tokens, parent, newest, paths = layout(x, grid, cands)
         keep = sorted({0, *newest, *range((N - 1) * W, len(tokens))})
         # subtle: for m > 1 trimmed layers, frozen prompt rows would cache K/V computed from a
@@ -207,6 +251,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         grid = advance(pool, grid, x, new)
         text += out
         pool.add_text(text, len(text) - len(out))
+        if arm is not None:
+            auto.update(arm, len(out), clock() - t0)
         prefix, x = [], out[-1]
         yield Step(out, drafted=len(tokens) - (N - 1) * W, accepted=m)
 

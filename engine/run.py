@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import resource
 import sys
 import time
 from pathlib import Path
@@ -15,6 +16,7 @@ import torch
 
 from engine import contrastive, lookahead, speculative
 from engine.generate import Stats, generate, plain
+from engine.llama import prepack
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import default_checkpoint, load_model
@@ -54,6 +56,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="HF-format checkpoint dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="plain nn.Linear on CPU instead of MKL-prepacked weights (same tokens, slower k-row forwards)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g = p.add_argument_group("lookahead (None = chosen automatically)")
     g.add_argument("--window", type=int, help="W, Jacobi window columns")
@@ -86,12 +90,18 @@ def models(args) -> tuple:
             if not L.isdigit():
                 raise ValueError(f"{spec!r}: expected layers:L with L an integer")
             return early_exit(int(L))
-        return load_model(spec, args.device, DTYPES[args.dtype])
+        return load(spec, args)
     if args.decoder == "speculative":
         return (second(args.draft, speculative.SelfDraft),)
     if args.decoder == "contrastive":
         return (second(args.amateur, int),)   # contrastive takes an int L for an early exit
     return ()
+
+
+def load(ckpt, args):
+    """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack."""
+    model = load_model(ckpt, args.device, DTYPES[args.dtype])
+    return model if args.no_prepack else prepack(model)
 
 
 def run(args) -> dict:
@@ -110,7 +120,7 @@ def run(args) -> dict:
     if not args.raw and tok.chat_template:
         text = tok.render_chat([{"role": "user", "content": text}])
     prompt = tok.encode(text)
-    model = load_model(ckpt, args.device, DTYPES[args.dtype])
+    model = load(ckpt, args)
     if len(prompt) + args.max_new_tokens > model.config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
                          f" exceeds the model's context ({model.config.max_seq_len})")
@@ -132,7 +142,8 @@ def run(args) -> dict:
             "decode_tokens_per_second": stats.decode_tokens_per_second,
             "acceptance": stats.accepted / stats.drafted if stats.drafted else None,
             "hit_rate": stats.hits / stats.n_forwards if stats.drafted else None,
-            "step_lengths": dict(sorted(stats.step_lengths.items()))}
+            "step_lengths": dict(sorted(stats.step_lengths.items())),
+            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
 
 
 def main(argv: list[str] | None = None) -> int:

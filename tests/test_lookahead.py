@@ -194,3 +194,23 @@ def test_window_column_zero_is_keyed_by_the_last_token():
     grid = lookahead.advance(pool, [[99, 1], [2, 3]], x=7, new=[4, 5])
     assert pool.guesses(7) == [(2, 4)] and pool.guesses(1) == [(3, 5)] and 99 not in pool.grams
     assert grid == [[2, 3], [4, 5]]
+
+
+@given(seed=st.integers(0, 2**16), n=st.integers(5, 40), ticks=st.lists(st.integers(1, 50), min_size=1, max_size=8))
+def test_auto_configuration_switches_arms_without_changing_tokens(seed, n, ticks):
+    # Why: the automatic (W, G) choice reads wall-clock costs, so any schedule it picks must
+    # leave the greedy output alone. A fake clock with drawn step costs forces many switches.
+    model, prompt = tiny_llama(seed % 3, vocab=6), prompt_for(seed, 6, 6)
+    clock = iter(t for t in __import__("itertools").accumulate(ticks * 1000)).__next__
+    got = list(generate(lookahead.decode(model, prompt, sampler=GREEDY, rng=Random(0), max_new_tokens=n,
+                                         clock=clock), max_new_tokens=n))
+    assert got == run(plain, model, prompt, n)
+
+
+def test_auto_prefers_the_arm_with_the_most_tokens_per_second():
+    auto = lookahead.Auto(((1, 1), (2, 2)), retry=100)
+    assert [auto.choose() for _ in range(1)] == [0]
+    auto.update(0, tokens=2, seconds=1.0)
+    assert auto.choose() == 1                            # untried arms first
+    auto.update(1, tokens=3, seconds=3.0)
+    assert auto.choose() == 0                            # 2 tok/s beats 1 tok/s

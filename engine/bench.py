@@ -1,0 +1,459 @@
+"""The benchmark: every decoder against plain, what a k-token forward costs, and the memory roof.
+
+    python -m engine.bench                                   # decoders side by side -> bench-out/
+    python -m engine.bench --forward-cost --json [--naive]   # ms per k-row forward, ratio to k=1
+    python -m engine.bench --roof --json                     # weight bytes / bandwidth -> tok/s
+
+Lookahead and speculative decoding pay one forward of k rows for up to k tokens, so they win
+only where cost(k) / cost(1) stays small. One-row decoding reads every weight once per token,
+so its ceiling is bandwidth / weight bytes.
+
+Timings on a shared CPU are noisy (other processes take cores, and a 2-thread OpenMP matmul
+waits for its slowest thread): every figure is a median over repeats, taken in interleaved
+rounds so that a busy spell hits every variant alike, and the min and spread come with it.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import statistics
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+from engine import lookahead, speculative
+from engine.generate import Stats, Step, generate, plain
+from engine.kvcache import KVCache
+from engine.llama import Llama, LlamaConfig, prepack
+from engine.sampling import Random, Sampler
+
+KS = (1, 2, 4, 8, 16, 32, 64)
+PROMPT_TOKENS = 100                     # the cache a forward attends to, a realistic prompt
+CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+# SmolLM2-135M's shapes, for --random-weights (no checkpoint needed)
+SMOLLM2_135M = LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
+                           vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0,
+                           max_seq_len=8192, tie_embeddings=True)
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def summary(ms: list[float]) -> dict:
+    med = statistics.median(ms)
+    return {"ms": round(med, 3), "min_ms": round(min(ms), 3),
+            "spread": round((max(ms) - min(ms)) / med, 3), "n": len(ms)}
+
+
+# --------------------------------------------------------------------------- models
+
+def random_model(cfg: LlamaConfig = SMOLLM2_135M, device="cpu", dtype=torch.float32,
+                 seed: int = 0) -> Llama:
+    """A Llama of the given shapes with N(0, 1/fan_in) weights: timings need no checkpoint."""
+    g = torch.Generator().manual_seed(seed)
+    model = Llama(cfg)
+    for name, p in model.named_parameters():
+        p.data = (torch.ones(p.shape) if name.endswith("norm.weight")
+                  else torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
+    return model.to(device=device, dtype=dtype).eval().requires_grad_(False)
+
+
+def twin(model: Llama) -> Llama:
+    """A second Llama on the very same weight tensors (no copy), with nn.Linear layers."""
+    with torch.device("meta"):
+        other = Llama(model.config)
+    other.load_state_dict(model.state_dict(), strict=True, assign=True)
+    return other.eval()
+
+
+# --------------------------------------------------------------------------- measurements
+
+def time_forward(model: Llama, cache: KVCache, prompt_len: int, k: int) -> float:
+    """Milliseconds of one k-row forward (all k rows' logits) after a prompt_len-slot cache."""
+    device = model.tok_embeddings.weight.device
+    tokens = torch.randint(0, model.config.vocab_size, (1, k), device=device)  # (1, k)
+    positions = torch.arange(prompt_len, prompt_len + k, device=device)
+    cache.truncate(prompt_len)
+    sync(device)
+    t0 = time.perf_counter()
+    model(tokens, positions, cache)
+    sync(device)
+    return (time.perf_counter() - t0) * 1e3
+
+
+def sync(device: torch.device) -> None:
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
+def forward_cost(models: dict[str, Llama], ks=KS, prompt_len: int = PROMPT_TOKENS,
+                 repeats: int = 7) -> dict:
+    """{name: {k: {ms, min_ms, spread, n, ratio}}}: cost of a k-token forward per model.
+
+    Rounds are interleaved (every model, every k, then again) so noise hits all alike.
+    """
+    caches = {}
+    for name, model in models.items():
+        device = model.tok_embeddings.weight.device
+        caches[name] = KVCache.for_model(model, prompt_len + max(ks))
+        prompt = torch.randint(0, model.config.vocab_size, (1, prompt_len), device=device)
+        model(prompt, torch.arange(prompt_len, device=device), caches[name])    # fills the cache
+        for k in ks:
+            time_forward(model, caches[name], prompt_len, k)                    # warm-up
+    ms = {(name, k): [] for name in models for k in ks}
+    for r in range(repeats):
+        progress(f"forward cost: round {r + 1}/{repeats}")
+        for k in ks:
+            for name, model in models.items():
+                ms[name, k].append(time_forward(model, caches[name], prompt_len, k))
+    out = {}
+    for name in models:
+        rows = {k: summary(ms[name, k]) for k in ks}
+        for k in ks:
+            rows[k]["ratio"] = round(rows[k]["ms"] / rows[ks[0]]["ms"], 3)
+        out[name] = rows
+    return out
+
+
+def bandwidth(n_bytes: int = 256 << 20, repeats: int = 9) -> dict:
+    """Memory bandwidth in GB/s: copy counts bytes read + written, read is a sum's reads."""
+    src = torch.ones(n_bytes // 4)
+    dst = torch.empty_like(src)
+    copy, read = [], []
+    for _ in range(repeats):
+        t0 = time.perf_counter()
+        dst.copy_(src)
+        copy.append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        src.sum()
+        read.append(time.perf_counter() - t0)
+    return {"copy_gbps": round(2 * n_bytes / statistics.median(copy) / 1e9, 2),
+            "read_gbps": round(n_bytes / statistics.median(read) / 1e9, 2)}
+
+
+def weight_bytes(model: Llama) -> int:
+    """Bytes one token's forward reads: every weight once (a tied head reads the embeddings)."""
+    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
+
+
+def roof(model: Llama, repeats: int = 9) -> dict:
+    """Tokens/s ceiling of one-row decoding: measured copy bandwidth / weight bytes."""
+    progress("roof: timing memory bandwidth")
+    bw = bandwidth(repeats=repeats)
+    nbytes = weight_bytes(model)
+    return {"weight_mb": round(nbytes / 1e6, 1), **bw,
+            "roof_tok_s": round(bw["copy_gbps"] * 1e9 / nbytes, 2)}
+
+
+def plain_decode(model: Llama, prompt: list[int], max_new_tokens: int = 64,
+                 eos_ids=()) -> dict:
+    """Greedy plain decoding: decode tokens/s (prefill excluded) and the tokens themselves."""
+    stats = Stats()
+    steps = plain(model, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens)
+    tokens = list(generate(steps, max_new_tokens=max_new_tokens, eos_ids=eos_ids, stats=stats))
+    return {"tok_s": round(stats.decode_tokens_per_second, 2), "new_tokens": len(tokens),
+            "prefill_s": round(stats.prefill_seconds, 3), "tokens": tokens}
+
+
+def chat_prompt(checkpoint: Path) -> tuple[list[int], set[int]]:
+    from engine.tokenizer import Tokenizer  # only --roof needs a tokenizer
+    tok = Tokenizer.load(checkpoint)
+    text = tok.render_chat([{"role": "user", "content": CHAT_PROMPT}])
+    return tok.encode(text), tok.eos_ids
+
+
+# --------------------------------------------------------------------------- decoders side by side
+
+PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.json"
+# name -> (decoder, second model or None, knobs). Greedy, so every row must print plain's tokens.
+CONFIGS = {
+    "plain": (plain, None, {}),
+    "lookahead W5 N4 G5": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5)),
+    "lookahead W8 N5 G8": (lookahead.decode, None, dict(window=8, ngram=5, guesses=8)),
+    "lookahead W15 N5 G15": (lookahead.decode, None, dict(window=15, ngram=5, guesses=15)),
+    "lookahead W8 N5 G8 trim 2": (lookahead.decode, None, dict(window=8, ngram=5, guesses=8, trim_layers=2)),
+    "lookahead auto": (lookahead.decode, None, {}),
+    "speculative L=12 K=3": (speculative.decode, speculative.SelfDraft(12), dict(num_draft=3)),
+    "speculative L=20 K=3": (speculative.decode, speculative.SelfDraft(20), dict(num_draft=3)),
+    "speculative L=20 adaptive": (speculative.decode, speculative.SelfDraft(20), dict(adaptive=True)),
+}
+
+
+def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
+    """One greedy generation: tokens, timings, and per-step draft acceptance."""
+    decoder, second, knobs = config
+    models = (model,) if second is None else (model, second)
+    steps, stats = [], Stats()
+    run = decoder(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
+    t0 = time.perf_counter()
+    tokens = list(generate(record(run, steps), max_new_tokens=max_new_tokens, eos_ids=eos_ids, stats=stats))
+    seconds = time.perf_counter() - t0
+    return {"tokens": tokens, "tok_s": len(tokens) / seconds, "decode_tok_s": stats.decode_tokens_per_second,
+            "forwards": stats.n_forwards, "drafted": [s.drafted for s in steps],
+            "accepted": [s.accepted for s in steps]}
+
+
+def record(steps, log: list[Step]):
+    for step in steps:
+        log.append(step)
+        yield step
+
+
+def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, repeats: int = 2,
+            max_new_tokens: int = 64, eos_ids=()) -> dict:
+    """Run every config on every prompt, interleaved, `repeats` times; summarise against plain.
+
+    Speedup is per prompt and repeat: tokens/s of the config over plain's in the same round,
+    then the median over a category's prompts and rounds.
+    """
+    runs = {}                                                   # (config, category, i, r) -> run
+    total = repeats * sum(map(len, prompts.values())) * len(configs)
+    for r in range(repeats):
+        for cat, plist in prompts.items():
+            for i, prompt in enumerate(plist):
+                for name, config in configs.items():
+                    progress(f"bench [{len(runs) + 1}/{total}] {name} | {cat} {i}")
+                    runs[name, cat, i, r] = decode_once(model, prompt, config, max_new_tokens, eos_ids)
+    out = {}
+    for name in configs:
+        rows = {}
+        for cat, plist in prompts.items():
+            keys = [(cat, i, r) for i in range(len(plist)) for r in range(repeats)]
+            mine = [runs[(name,) + k] for k in keys]
+            base = [runs[("plain",) + k] for k in keys]
+            rows[cat] = {
+                "tok_s": statistics.median(m["tok_s"] for m in mine),
+                "speedup": statistics.median(m["tok_s"] / b["tok_s"] for m, b in zip(mine, base)),
+                "tokens_per_forward": sum(len(m["tokens"]) for m in mine) / sum(m["forwards"] for m in mine),
+                "same_tokens_as_plain": sum(m["tokens"] == b["tokens"] for m, b in zip(mine, base)) / len(mine),
+                "acceptance_by_position": by_position([m for m in mine]),
+            }
+        out[name] = rows
+    return out
+
+
+def by_position(runs: list[dict], upto: int = 8) -> list[float]:
+    """P(draft i accepted | drafted at least i+1) over all steps: speculative's acceptance curve."""
+    tried, hit = [0] * upto, [0] * upto
+    for run in runs:
+        for d, a in zip(run["drafted"], run["accepted"]):
+            for i in range(min(d, upto)):
+                tried[i] += 1
+                hit[i] += i < a
+    return [round(h / t, 3) for h, t in zip(hit, tried) if t]
+
+
+def bench_prompts(checkpoint: Path, quick: bool) -> tuple[dict[str, list[list[int]]], set[int]]:
+    from engine.tokenizer import Tokenizer
+    tok = Tokenizer.load(checkpoint)
+    texts = json.loads(PROMPTS.read_text())
+    enc = lambda t: tok.encode(tok.render_chat([{"role": "user", "content": t}]))
+    return {cat: [enc(t) for t in ts[:1 if quick else None]] for cat, ts in texts.items()}, tok.eos_ids
+
+
+def hf_reference(python: str, checkpoint: Path, prompts: dict, max_new_tokens: int) -> dict | None:
+    """HF transformers' greedy generate on the same checkpoint and prompts, in `python`, if it has it."""
+    import subprocess
+    script = (
+        "import json, sys, time, torch\n"
+        "from transformers import AutoModelForCausalLM\n"
+        "a = json.loads(sys.stdin.read())\n"
+        "m = AutoModelForCausalLM.from_pretrained(a['ckpt'], dtype=torch.float32).eval()\n"
+        "out = {}\n"
+        "for cat, ps in a['prompts'].items():\n"
+        "    rates = []\n"
+        "    for p in ps:\n"
+        "        ids = torch.tensor([p]); t0 = time.perf_counter()\n"
+        "        y = m.generate(ids, max_new_tokens=a['n'], do_sample=False)\n"
+        "        rates.append((y.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))\n"
+        "    out[cat] = sorted(rates)[len(rates) // 2]\n"
+        "print(json.dumps({'version': __import__('transformers').__version__, 'tok_s': out}))\n")
+    progress(f"HF transformers reference with {python}")
+    arg = json.dumps({"ckpt": str(checkpoint), "prompts": prompts, "n": max_new_tokens})
+    r = subprocess.run([python, "-c", script], input=arg, capture_output=True, text=True)
+    if r.returncode != 0:
+        progress(f"HF reference skipped: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+        return None
+    return json.loads(r.stdout.strip().splitlines()[-1])
+
+
+def markdown(table: dict, hf: dict | None) -> str:
+    cats = list(next(iter(table.values())))
+    head = "| config | " + " | ".join(f"{c} tok/s (speedup, tok/fwd)" for c in cats) + " | same tokens |"
+    lines = [head, "|" + "---|" * (len(cats) + 2)]
+    for name, rows in table.items():
+        cells = [f"{rows[c]['tok_s']:.1f} ({rows[c]['speedup']:.2f}x, {rows[c]['tokens_per_forward']:.2f})"
+                 for c in cats]
+        same = min(rows[c]["same_tokens_as_plain"] for c in cats)
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {same:.0%} |")
+    if hf:
+        lines.append(f"| HF transformers {hf['version']} generate | "
+                     + " | ".join(f"{hf['tok_s'][c]:.1f}" for c in cats) + " | - |")
+    return "\n".join(lines) + "\n"
+
+
+def plot(table: dict, path: Path) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    names, cats = list(table), list(next(iter(table.values())))
+    fig, ax = plt.subplots(figsize=(10, 4.5))
+    width = 0.8 / len(cats)
+    for j, c in enumerate(cats):
+        ax.bar([i + j * width for i in range(len(names))], [table[n][c]["speedup"] for n in names], width, label=c)
+    ax.axhline(1.0, color="k", lw=0.8)
+    ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
+    ax.set_ylabel("tokens/s over plain (same run)")
+    ax.set_title("Greedy decoders against plain, SmolLM2-135M-Instruct")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path.with_suffix(".tmp.png"), dpi=120)
+    path.with_suffix(".tmp.png").replace(path)
+
+
+def write(path: Path, text: str) -> None:
+    tmp = path.with_suffix(path.suffix + ".tmp")
+    tmp.write_text(text)
+    tmp.replace(path)                                     # never a half-written file
+
+
+# --------------------------------------------------------------------------- CLI
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):  # one line, exit 2
+        self.exit(2, f"engine.bench: error: {message}\n")
+
+
+def parse_args(argv: list[str] | None) -> argparse.Namespace:
+    from engine.weights import DEFAULT_CHECKPOINT
+    p = Parser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p.add_argument("--forward-cost", action="store_true",
+                   help="ms of a k-token forward after a 100-token cache, k in 1..64")
+    p.add_argument("--roof", action="store_true",
+                   help="weight bytes / memory bandwidth, and plain greedy decode tok/s against it")
+    p.add_argument("--naive", action="store_true",
+                   help="with --forward-cost: also time plain nn.Linear (F.linear), interleaved")
+    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--random-weights", action="store_true",
+                   help="SmolLM2-135M shapes with random weights (forward cost without a checkpoint)")
+    p.add_argument("--device", default="cpu")
+    p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
+    p.add_argument("--ks", default=",".join(map(str, KS)), help="comma-separated row counts")
+    p.add_argument("--max-new-tokens", type=int, default=64, help="for --roof's plain decode")
+    p.add_argument("--threads", type=int, default=0,
+                   help="torch threads for this run (0 = torch's default, left alone)")
+    p.add_argument("--json", action="store_true", help="print one JSON object")
+    p.add_argument("--rounds", type=int, default=2, help="decoder runs per prompt and config (median)")
+    p.add_argument("--quick", action="store_true", help="one prompt per category")
+    p.add_argument("--configs", type=lambda s: s.split(","), default=None,
+                   help="comma-separated subset of the decoder configs (plain is always run)")
+    p.add_argument("--hf-python", default=sys.executable,
+                   help="a python with transformers for the outside reference (skipped if it lacks it)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"), help="table, JSON and plot go here")
+    args = p.parse_args(argv)
+    unknown = set(args.configs) - set(CONFIGS) if args.configs else set()
+    if unknown:
+        p.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
+    try:
+        args.ks = tuple(int(k) for k in args.ks.split(","))
+    except ValueError:
+        p.error(f"--ks {args.ks!r}: expected comma-separated integers like 1,2,4")
+    if not args.ks or min(args.ks) < 1:
+        p.error("--ks: every k must be >= 1")
+    for name in ("repeats", "max_new_tokens", "rounds"):
+        if getattr(args, name) < 1:
+            p.error(f"--{name.replace('_', '-')} must be >= 1")
+    if args.threads < 0:
+        p.error("--threads must be >= 0")
+    if args.roof and args.random_weights:
+        p.error("--roof decodes a chat prompt: it needs a real --checkpoint")
+    try:
+        args.device = torch.device(args.device)
+    except RuntimeError as e:
+        p.error(f"--device {args.device!r}: {e}")
+    if args.device.type == "cuda" and not torch.cuda.is_available():
+        p.error("--device cuda: no CUDA device here")
+    return args
+
+
+def run(args: argparse.Namespace) -> dict:
+    dtype = DTYPES[args.dtype]
+    if args.threads:
+        torch.set_num_threads(args.threads)  # this process only, asked for on the command line
+    result = {"device": str(args.device), "dtype": args.dtype, "threads": torch.get_num_threads()}
+    if args.random_weights:
+        progress("building a random SmolLM2-135M-shaped model")
+        model = random_model(device=args.device, dtype=dtype)
+    else:
+        from engine.weights import load_model
+        progress(f"loading {args.checkpoint}")
+        model = load_model(args.checkpoint, args.device, dtype)
+        result["checkpoint"] = str(args.checkpoint)
+    naive = twin(model) if args.naive else None
+    engine = prepack(model)  # the engine's default linear path (nn.Linear where it cannot pack)
+    result["linear"] = type(engine.layers[0].attention.wq).__name__
+    if args.forward_cost:
+        models = {"engine": engine} | ({"naive": naive} if naive is not None else {})
+        result["forward_cost"] = forward_cost(models, args.ks, repeats=args.repeats)
+        result["forward_cost_setup"] = {"prompt_tokens": PROMPT_TOKENS, "logits": "all k rows"}
+    if not (args.forward_cost or args.roof):
+        prompts, eos = bench_prompts(args.checkpoint, args.quick)
+        configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
+        result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
+        result["hf"] = hf_reference(args.hf_python, args.checkpoint, prompts, args.max_new_tokens)
+        result["command"] = "python -m engine.bench " + " ".join(sys.argv[1:])
+    if args.roof:
+        result["roof"] = roof(engine)
+        prompt, eos = chat_prompt(args.checkpoint)
+        progress(f"plain greedy decode, {args.max_new_tokens} new tokens, prompt {len(prompt)}")
+        runs = [plain_decode(engine, prompt, args.max_new_tokens, eos) for _ in range(3)]
+        toks = sorted(r["tok_s"] for r in runs)
+        result["plain_decode"] = {"tok_s": toks[1], "tok_s_runs": toks,
+                                  "new_tokens": runs[0]["new_tokens"], "prompt_tokens": len(prompt),
+                                  "fraction_of_roof": round(toks[1] / result["roof"]["roof_tok_s"], 3)}
+    return result
+
+
+def print_table(result: dict, out: Path) -> None:
+    print(f"device {result['device']}, {result['dtype']}, {result['threads']} threads, "
+          f"linear {result['linear']}")
+    if "decoders" in result:
+        table = markdown(result["decoders"], result["hf"])
+        out.mkdir(parents=True, exist_ok=True)
+        write(out / "bench.md", f"`{result['command']}`\n\n" + table)
+        write(out / "bench.json", json.dumps(result, indent=1))
+        plot(result["decoders"], out / "bench.png")
+        print(table + f"written: {out}/bench.md, bench.json, bench.png")
+    for name, rows in result.get("forward_cost", {}).items():
+        print(f"forward cost ({name}):  k  median ms  min ms  spread  ratio")
+        for k, r in rows.items():
+            print(f"  {k:>30}  {r['ms']:9.1f}  {r['min_ms']:6.1f}  {r['spread']:6.0%}  {r['ratio']:5.2f}")
+    if "roof" in result:
+        r, d = result["roof"], result["plain_decode"]
+        print(f"roof: {r['weight_mb']} MB at {r['copy_gbps']} GB/s copy ({r['read_gbps']} read) "
+              f"-> {r['roof_tok_s']} tok/s")
+        print(f"plain greedy: {d['tok_s']} tok/s (runs {d['tok_s_runs']}), "
+              f"{d['fraction_of_roof']:.0%} of the roof")
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    try:
+        result = run(args)
+    except (FileNotFoundError, ValueError) as e:
+        print(f"engine.bench: error: {e}", file=sys.stderr)
+        return 2
+    if args.json:
+        print(json.dumps(result))
+    else:
+        print_table(result, args.out)
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

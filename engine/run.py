@@ -75,7 +75,7 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--amateur", default=f"layers:{AMATEUR_LAYERS}",
                    help="amateur checkpoint dir, or layers:L: an early exit of the expert (default %(default)s)")
     g.add_argument("--alpha", type=float, default=0.1, help="keep tokens with p_E >= alpha * max p_E")
-    g.add_argument("--beta", type=float, default=0.5, help="amateur weight (logit form)")
+    g.add_argument("--beta", type=float, default=1.0, help="amateur weight (logit form); docs/quality.md chose 1.0")
     g.add_argument("--amateur-temperature", type=float, default=1.0, help="tau: p_A = softmax(l_A / tau)")
     g.add_argument("--form", default="logit", choices=["logit", "ratio"], help="score form")
     g.add_argument("--speculative", action="store_true", help="the amateur drafts, the expert verifies")

@@ -274,7 +274,11 @@ def hf_reference(python: str, checkpoint: Path, prompts: dict, max_new_tokens: i
         "print(json.dumps({'version': __import__('transformers').__version__, 'tok_s': out}))\n")
     progress(f"HF transformers reference with {python}")
     arg = json.dumps({"ckpt": str(checkpoint), "prompts": prompts, "n": max_new_tokens})
-    r = subprocess.run([python, "-c", script], input=arg, capture_output=True, text=True)
+    try:
+        r = subprocess.run([python, "-c", script], input=arg, capture_output=True, text=True)
+    except OSError as e:                                  # no such interpreter: no reference
+        progress(f"HF reference skipped: {e}")
+        return None
     if r.returncode != 0:
         progress(f"HF reference skipped: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
         return None

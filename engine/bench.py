@@ -15,6 +15,7 @@ rounds so that a busy spell hits every variant alike, and the min and spread com
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import statistics
 import sys
@@ -27,12 +28,12 @@ from engine import lookahead, speculative
 from engine.generate import Stats, Step, generate, plain
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig, prepack
+from engine.run import DTYPES, Parser, write_atomic
 from engine.sampling import Random, Sampler
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_TOKENS = 100                     # the cache a forward attends to, a realistic prompt
 CHAT_PROMPT = "Explain in a few sentences why the sky is blue."
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 # SmolLM2-135M's shapes, for --random-weights (no checkpoint needed)
 SMOLLM2_135M = LlamaConfig(dim=576, n_layers=30, n_heads=9, n_kv_heads=3, hidden_dim=1536,
                            vocab_size=49152, norm_eps=1e-5, rope_theta=100000.0,
@@ -315,22 +316,13 @@ def plot(table: dict, path: Path) -> None:
     ax.set_title("Greedy decoders against plain, SmolLM2-135M-Instruct")
     ax.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(path.with_suffix(".tmp.png"), dpi=120)
-    path.with_suffix(".tmp.png").replace(path)
-
-
-def write(path: Path, text: str) -> None:
-    tmp = path.with_suffix(path.suffix + ".tmp")
-    tmp.write_text(text)
-    tmp.replace(path)                                     # never a half-written file
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
+    plt.close(fig)
+    write_atomic(path, buf.getvalue())
 
 
 # --------------------------------------------------------------------------- CLI
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2
-        self.exit(2, f"engine.bench: error: {message}\n")
-
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine.weights import DEFAULT_CHECKPOINT
@@ -429,8 +421,8 @@ def print_table(result: dict, out: Path) -> None:
     if "decoders" in result:
         table = markdown(result["decoders"], result["hf"])
         out.mkdir(parents=True, exist_ok=True)
-        write(out / "bench.md", f"`{result['command']}`\n\n" + table)
-        write(out / "bench.json", json.dumps(result, indent=1))
+        write_atomic(out / "bench.md", f"`{result['command']}`\n\n{table}".encode())
+        write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")
     for name, rows in result.get("forward_cost", {}).items():

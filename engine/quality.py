@@ -15,9 +15,9 @@ Writes quality.md (also to stdout), quality.json and quality.png under --out.
 from __future__ import annotations
 
 import argparse
+import io
 import json
 import math
-import os
 import sys
 from collections import Counter
 from dataclasses import dataclass, field
@@ -28,6 +28,7 @@ import torch
 from engine import contrastive
 from engine.generate import generate, plain
 from engine.llama import Llama
+from engine.run import Parser, write_atomic
 from engine.sampling import Random, Sampler
 
 # short on purpose: the 135M model's answers wander off or stop early on long asks
@@ -183,13 +184,6 @@ def markdown(summary: dict, max_new_tokens: int) -> str:
 
 # --------------------------------------------------------------------------- output
 
-def write_atomic(path: Path, data: bytes) -> None:
-    # subtle: a reader (or a killed run) never sees half a file: write aside, then rename
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    os.replace(tmp, path)
-
-
 def plot(summary: dict, path: Path) -> None:
     import matplotlib
     matplotlib.use("Agg")
@@ -205,15 +199,10 @@ def plot(summary: dict, path: Path) -> None:
     ax.set_title("SmolLM2-135M-Instruct: decoders, mean over 9 prompts")
     ax.grid(alpha=0.3)
     fig.tight_layout()
-    tmp = path.with_name(path.name + ".tmp")
-    fig.savefig(tmp, format="png", dpi=120)
+    buf = io.BytesIO()
+    fig.savefig(buf, format="png", dpi=120)
     plt.close(fig)
-    os.replace(tmp, path)
-
-
-class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, as engine.run does
-        self.exit(2, f"error: {message}\n")
+    write_atomic(path, buf.getvalue())
 
 
 def parser() -> argparse.ArgumentParser:

@@ -39,8 +39,17 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 
 class Parser(argparse.ArgumentParser):
-    def error(self, message):  # one line, exit 2, as for every other bad input
+    """The engine's CLIs (run, bench, quality) answer bad flags in one line, with exit code 2."""
+
+    def error(self, message):
         self.exit(2, f"error: {message}\n")
+
+
+def write_atomic(path: Path, data: bytes) -> None:
+    # subtle: a reader (or a killed run) never sees half a file: write aside, then rename
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_bytes(data)
+    tmp.replace(path)
 
 
 def parser() -> argparse.ArgumentParser:

@@ -392,7 +392,7 @@ def run(args: argparse.Namespace) -> dict:
         result["checkpoint"] = str(args.checkpoint)
     naive = twin(model) if args.naive else None
     engine = prepack(model)  # the engine's default linear path (nn.Linear where it cannot pack)
-    result["linear"] = type(engine.layers[0].attention.wq).__name__
+    result["linear"] = type(engine.layers[0].attention.wqkv).__name__
     if args.forward_cost:
         models = {"engine": engine} | ({"naive": naive} if naive is not None else {})
         result["forward_cost"] = forward_cost(models, args.ks, repeats=args.repeats)

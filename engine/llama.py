@@ -68,10 +68,10 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # x / sqrt(mean(x^2) + eps) * w, computed in at least fp32 as the reference does
+        # w * x / sqrt(mean(x^2) + eps), normalised in at least fp32 as the reference does
+        # (F.rms_norm gives the bits of x * rsqrt(x.pow(2).mean(-1) + eps), in one kernel)
         xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        xf = xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * xf.to(x.dtype)
+        return self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -102,78 +102,79 @@ class Attention(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
-        self.wq = nn.Linear(cfg.dim, cfg.n_heads * cfg.head_dim, bias=False)
-        self.wk = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
-        self.wv = nn.Linear(cfg.dim, cfg.n_kv_heads * cfg.head_dim, bias=False)
+        # q, k and v projections stacked by rows (H*D, Hkv*D, Hkv*D): one matmul, not three
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
                 cache: KVCache | None, layer: int, mask: Tensor) -> Tensor:
         """h (B, T, C) normed input of all rows; only `rows` (or all) get queries."""
         B, T, _ = h.shape
-        D = self.head_dim
-        k = self.wk(h).view(B, T, self.n_kv_heads, D).transpose(1, 2)    # (B, Hkv, T, D)
-        v = self.wv(h).view(B, T, self.n_kv_heads, D).transpose(1, 2)    # (B, Hkv, T, D)
-        k = apply_rope(k, cos, sin)
+        H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
+        qkv = self.wqkv(h).view(B, T, H + 2 * Hkv, D).transpose(1, 2)   # (B, H+2Hkv, T, D)
+        qk = apply_rope(qkv[:, :H + Hkv], cos, sin)                      # (B, H+Hkv, T, D)
+        q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]                 # (B, H|Hkv|Hkv, T, D)
         if cache is not None:
             k, v = cache.append(layer, k, v)                               # (B, Hkv, S, D)
         if rows is not None:                                               # frozen rows: K/V only
-            h, cos, sin, mask = h[:, rows], cos[rows], sin[rows], mask[rows]
-        Tq = h.shape[1]
-        q = self.wq(h).view(B, Tq, self.n_heads, D).transpose(1, 2)      # (B, H, Tq, D)
-        q = apply_rope(q, cos, sin)
+            q, mask = q[:, :, rows], mask[rows]                            # (B, H, Tq, D)
+        Tq = q.shape[2]
         # softmax(q k^T / sqrt(D) + log mask) v, each kv head shared by H / Hkv query heads
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, Tq, D)
-        return self.wo(y.transpose(1, 2).reshape(B, Tq, self.n_heads * D))           # (B, Tq, C)
+        return self.wo(y.transpose(1, 2).reshape(B, Tq, H * D))                        # (B, Tq, C)
 
 
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.w1 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # gate
-        self.w3 = nn.Linear(cfg.dim, cfg.hidden_dim, bias=False)  # up
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)  # down
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # gate and up, stacked
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)       # down
 
     def forward(self, x: Tensor) -> Tensor:
-        return self.w2(F.silu(self.w1(x)) * self.w3(x))           # SwiGLU: (B, T, F) -> (B, T, C)
+        gate, up = self.w13(x).chunk(2, dim=-1)                        # (B, T, F) each
+        return self.w2(F.silu(gate) * up)                              # SwiGLU: (B, T, C)
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T through MKL's prepacked sgemm (CPU, fp32): k rows cost little more than one.
+    """y = x W^T through oneDNN, W reordered once into its blocked layout (CPU, fp32).
 
-    F.linear leaves MKL's one-row routine for k > 1 rows and repacks W on every call; here W
-    is packed once, at load time. The packed copy is a snapshot: prepack after the weights
-    are final, and never move the module to another device afterwards.
+    F.linear (MKL) leaves its one-row routine for k > 1 rows and repacks W on every call, so
+    a k-row forward costs about 2x a one-row one at k=8. oneDNN on a weight reordered at load
+    time streams it once for all k rows: k=8 costs what k=1 does (`python -m engine.bench
+    --forward-cost`). The reordered copy is a snapshot: prepack after the weights are final.
     """
 
-    def __init__(self, weight: Tensor, row_multiple: int = 1):
+    def __init__(self, weight: Tensor, min_rows: int = 1):
         super().__init__()
         self.weight = weight                                          # (out, in), still shared
-        self.row_multiple = row_multiple
-        # the packing's row-count hint only tunes the layout; one packing serves every k
-        self.packed = torch.ops.mkl._mkl_reorder_linear_weight(weight.detach(), 4)
+        self.min_rows = min_rows
+        # the batch-size hint only tunes the blocked layout; one reordering serves every k
+        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
 
     def forward(self, x: Tensor) -> Tensor:
-        x2 = x.reshape(-1, x.shape[-1])                               # (n, in), n = B*T
-        n = x2.shape[0]
-        # subtle: MKL rounds a row the same way whatever the row count only when that count
-        # is a multiple of 4 (1-3 rows, and with 2 threads 5-7 and 9-11, take other kernels);
-        # zero rows up to row_multiple=4 make a row's output independent of its batch
-        x2 = F.pad(x2, (0, 0, 0, -n % self.row_multiple))             # (n rounded up, in)
-        y = torch.ops.mkl._mkl_linear(x2, self.packed, self.weight, None, x2.shape[0])
+        n = x.numel() // x.shape[-1]                                  # rows, B*T
+        if n >= self.min_rows:
+            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+        # subtle: oneDNN takes a matrix-vector kernel for one row and a matrix-matrix kernel
+        # for two or more, and they round differently; the latter gives every row the same
+        # bits whatever the row count, so zero rows make one-row steps take it too
+        x2 = F.pad(x.reshape(n, -1), (0, 0, 0, self.min_rows - n))   # (min_rows, in)
+        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
         return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
 
 
 def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
-    the model is fp32 on a CPU with MKL (CUDA and other dtypes keep nn.Linear).
+    the model is fp32 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
 
-    batch_invariant: pad rows to a multiple of 4 so a row's logits never depend on how many
-    rows shared its forward (the matmuls only; one-row steps then cost a 4-row matmul).
+    batch_invariant: run one-row inputs as two rows so that a row's matmul outputs never
+    depend on how many rows shared its forward. Off by default: the two-row kernel makes a
+    one-row step about 20% slower, and attention sums are not row-invariant anyway (a
+    verified row sees its keys at other cache slots, so SIMD lanes add them in another order).
     """
-    m = 4 if batch_invariant else 1
+    m = 2 if batch_invariant else 1
     w = model.tok_embeddings.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkl.is_available():
+    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
         return model
     for block in model.layers:
         for parent in (block.attention, block.feed_forward):

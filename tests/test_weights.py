@@ -130,8 +130,8 @@ def test_convert_round_trip_gives_the_hf_tensors(ckpt):
         hf_name = rename(GGUF_MAP, gguf_name)
         assert np.array_equal(hf[hf_name].numpy(), expected(gguf_name, t)), hf_name
     model = load_model(ckpt)
-    assert torch.equal(model.layers[0].attention.wq.weight,
-                       hf["model.layers.0.self_attn.q_proj.weight"])
+    wq, wk, wv = (hf[f"model.layers.0.self_attn.{n}_proj.weight"] for n in "qkv")
+    assert torch.equal(model.layers[0].attention.wqkv.weight, torch.cat([wq, wk, wv]))
     assert torch.equal(model.output.weight, hf["lm_head.weight"])
     cfg = model.config
     assert (cfg.dim, cfg.n_layers, cfg.n_heads, cfg.n_kv_heads, cfg.hidden_dim, cfg.vocab_size) == \
@@ -211,7 +211,7 @@ def test_cli_reports_errors_in_one_line_and_exits_2(tmp_path, capsys):
 @pytest.mark.parametrize("edit, words", [
     (lambda t: t.update({"model.norm.weight": torch.ones(C + 1)}), "model.norm.weight has shape"),
     (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
-     "lacks model.layers.1.mlp.up_proj.weight for layers.1.feed_forward.w3.weight"),
+     "lacks model.layers.1.mlp.up_proj.weight for layers.1.feed_forward.w13.weight"),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(C)}),
      "q_proj.bias is not used"),
     (lambda t: t.update({"model.layers.9.mlp.up_proj.weight": torch.zeros(F, C)}),

@@ -121,7 +121,8 @@ def forward_cost(models: dict[str, Llama], ks=KS, prompt_len: int = PROMPT_TOKEN
 
 
 def bandwidth(n_bytes: int = 256 << 20, repeats: int = 9) -> dict:
-    """Memory bandwidth in GB/s: copy counts bytes read + written, read is a sum's reads."""
+    """Memory bandwidth in GB/s. copy: bytes copied per second (each also written once), the
+    issue's measure (538 MB at 17 GB/s = 31 tok/s); read: bytes a sum reads per second."""
     src = torch.ones(n_bytes // 4)
     dst = torch.empty_like(src)
     copy, read = [], []
@@ -132,22 +133,27 @@ def bandwidth(n_bytes: int = 256 << 20, repeats: int = 9) -> dict:
         t0 = time.perf_counter()
         src.sum()
         read.append(time.perf_counter() - t0)
-    return {"copy_gbps": round(2 * n_bytes / statistics.median(copy) / 1e9, 2),
+    return {"copy_gbps": round(n_bytes / statistics.median(copy) / 1e9, 2),
             "read_gbps": round(n_bytes / statistics.median(read) / 1e9, 2)}
 
 
-def weight_bytes(model: Llama) -> int:
-    """Bytes one token's forward reads: every weight once (a tied head reads the embeddings)."""
-    return sum(p.numel() * p.element_size() for p in model.parameters())  # tied counted once
+def weight_bytes(cfg: LlamaConfig, element_size: int = 4) -> int:
+    """Bytes one token's forward reads: every matrix once, the head's included (the embedding
+    lookup reads one row); the norms' vectors too. Counted from the shapes, so it holds for
+    packed layers as well."""
+    C, D, F = cfg.dim, cfg.head_dim, cfg.hidden_dim
+    layer = C * (cfg.n_heads + 2 * cfg.n_kv_heads) * D + cfg.n_heads * D * C + 3 * C * F + 2 * C
+    return (cfg.n_layers * layer + cfg.vocab_size * C + C) * element_size
 
 
 def roof(model: Llama, repeats: int = 9) -> dict:
-    """Tokens/s ceiling of one-row decoding: measured copy bandwidth / weight bytes."""
+    """Tokens/s ceilings of one-row decoding: bandwidth / weight bytes, for copy and read."""
     progress("roof: timing memory bandwidth")
     bw = bandwidth(repeats=repeats)
-    nbytes = weight_bytes(model)
+    nbytes = weight_bytes(model.config, model.tok_embeddings.weight.element_size())
     return {"weight_mb": round(nbytes / 1e6, 1), **bw,
-            "roof_tok_s": round(bw["copy_gbps"] * 1e9 / nbytes, 2)}
+            "roof_tok_s": round(bw["copy_gbps"] * 1e9 / nbytes, 2),
+            "read_roof_tok_s": round(bw["read_gbps"] * 1e9 / nbytes, 2)}
 
 
 def plain_decode(model: Llama, prompt: list[int], max_new_tokens: int = 64,
@@ -173,13 +179,12 @@ PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.json"
 # name -> (decoder, second model or None, knobs). Greedy, so every row must print plain's tokens.
 CONFIGS = {
     "plain": (plain, None, {}),
+    "lookahead W2 N4 G2": (lookahead.decode, None, dict(window=2, ngram=4, guesses=2)),
+    "lookahead W3 N4 G3": (lookahead.decode, None, dict(window=3, ngram=4, guesses=3)),
     "lookahead W5 N4 G5": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5)),
-    "lookahead W8 N5 G8": (lookahead.decode, None, dict(window=8, ngram=5, guesses=8)),
-    "lookahead W15 N5 G15": (lookahead.decode, None, dict(window=15, ngram=5, guesses=15)),
-    "lookahead W8 N5 G8 trim 2": (lookahead.decode, None, dict(window=8, ngram=5, guesses=8, trim_layers=2)),
+    "lookahead W5 N4 G5 trim 2": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=2)),
     "lookahead auto": (lookahead.decode, None, {}),
     "speculative L=12 K=3": (speculative.decode, speculative.SelfDraft(12), dict(num_draft=3)),
-    "speculative L=20 K=3": (speculative.decode, speculative.SelfDraft(20), dict(num_draft=3)),
     "speculative L=20 adaptive": (speculative.decode, speculative.SelfDraft(20), dict(adaptive=True)),
 }
 
@@ -286,6 +291,26 @@ def hf_reference(python: str, checkpoint: Path, prompts: dict, max_new_tokens: i
     return json.loads(r.stdout.strip().splitlines()[-1])
 
 
+def memory(checkpoint: Path, max_new_tokens: int) -> dict:
+    """Peak resident memory of `python -m engine.run --decoder D --json` per decoder, each in
+    a fresh process (a process's peak cannot be split between decoders run inside it)."""
+    import subprocess
+    from engine.run import DECODERS
+    out = {}
+    for name in DECODERS:
+        progress(f"memory: {name}")
+        cmd = [sys.executable, "-m", "engine.run", "--decoder", name, "--temperature", "0",
+               "--max-new-tokens", str(max_new_tokens), "--prompt", CHAT_PROMPT,
+               "--checkpoint", str(checkpoint), "--json"]
+        r = subprocess.run(cmd, capture_output=True, text=True, cwd=Path(__file__).resolve().parent.parent)
+        if r.returncode != 0:
+            raise ValueError(f"memory: --decoder {name} failed: {r.stderr.strip().splitlines()[-1:]}")
+        j = json.loads(r.stdout)
+        out[name] = {"peak_rss_mb": round(j["peak_rss_mb"]), "tok_s": round(j["tokens_per_second"], 1),
+                     "new_tokens": j["n_tokens"]}
+    return out
+
+
 def markdown(table: dict, hf: dict | None) -> str:
     cats = list(next(iter(table.values())))
     head = "| config | " + " | ".join(f"{c} tok/s (speedup, tok/fwd)" for c in cats) + " | same tokens |"
@@ -331,6 +356,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="ms of a k-token forward after a 100-token cache, k in 1..64")
     p.add_argument("--roof", action="store_true",
                    help="weight bytes / memory bandwidth, and plain greedy decode tok/s against it")
+    p.add_argument("--memory", action="store_true",
+                   help="peak resident memory of each decoder, each run in a fresh process")
     p.add_argument("--naive", action="store_true",
                    help="with --forward-cost: also time plain nn.Linear (F.linear), interleaved")
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
@@ -366,6 +393,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads < 0:
         p.error("--threads must be >= 0")
+    if args.memory and args.random_weights:
+        p.error("--memory runs the decoders on a real --checkpoint")
     if args.roof and args.random_weights:
         p.error("--roof decodes a chat prompt: it needs a real --checkpoint")
     try:
@@ -397,7 +426,9 @@ def run(args: argparse.Namespace) -> dict:
         models = {"engine": engine} | ({"naive": naive} if naive is not None else {})
         result["forward_cost"] = forward_cost(models, args.ks, repeats=args.repeats)
         result["forward_cost_setup"] = {"prompt_tokens": PROMPT_TOKENS, "logits": "all k rows"}
-    if not (args.forward_cost or args.roof):
+    if args.memory:
+        result["memory"] = memory(args.checkpoint, args.max_new_tokens)
+    if not (args.forward_cost or args.roof or args.memory):
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
@@ -411,7 +442,8 @@ def run(args: argparse.Namespace) -> dict:
         toks = sorted(r["tok_s"] for r in runs)
         result["plain_decode"] = {"tok_s": toks[1], "tok_s_runs": toks,
                                   "new_tokens": runs[0]["new_tokens"], "prompt_tokens": len(prompt),
-                                  "fraction_of_roof": round(toks[1] / result["roof"]["roof_tok_s"], 3)}
+                                  "fraction_of_roof": round(toks[1] / result["roof"]["roof_tok_s"], 3),
+                                  "fraction_of_read_roof": round(toks[1] / result["roof"]["read_roof_tok_s"], 3)}
     return result
 
 
@@ -429,12 +461,16 @@ def print_table(result: dict, out: Path) -> None:
         print(f"forward cost ({name}):  k  median ms  min ms  spread  ratio")
         for k, r in rows.items():
             print(f"  {k:>30}  {r['ms']:9.1f}  {r['min_ms']:6.1f}  {r['spread']:6.0%}  {r['ratio']:5.2f}")
+    if "memory" in result:
+        print("decoder        peak RSS MB  tok/s  new tokens")
+        for name, m in result["memory"].items():
+            print(f"  {name:12}  {m['peak_rss_mb']:11}  {m['tok_s']:5}  {m['new_tokens']:10}")
     if "roof" in result:
         r, d = result["roof"], result["plain_decode"]
-        print(f"roof: {r['weight_mb']} MB at {r['copy_gbps']} GB/s copy ({r['read_gbps']} read) "
-              f"-> {r['roof_tok_s']} tok/s")
+        print(f"roof: {r['weight_mb']} MB at {r['copy_gbps']} GB/s copy -> {r['roof_tok_s']} tok/s "
+              f"({r['read_gbps']} GB/s read -> {r['read_roof_tok_s']} tok/s)")
         print(f"plain greedy: {d['tok_s']} tok/s (runs {d['tok_s_runs']}), "
-              f"{d['fraction_of_roof']:.0%} of the roof")
+              f"{d['fraction_of_roof']:.0%} of the copy roof, {d['fraction_of_read_roof']:.0%} of the read roof")
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -140,13 +140,14 @@ class PackedLinear(nn.Module):
 
     F.linear (MKL) leaves its one-row routine for k > 1 rows and repacks W on every call, so
     a k-row forward costs about 2x a one-row one at k=8. oneDNN on a weight reordered at load
-    time streams it once for all k rows: k=8 costs what k=1 does (`python -m engine.bench
-    --forward-cost`). The reordered copy is a snapshot: prepack after the weights are final.
+    time streams it once for all k rows: k=8 costs about what k=1 does (`python -m
+    engine.bench --forward-cost`). Only the reordered copy is kept (the weights' memory is
+    not doubled), so prepack after the weights are final; the module has no `weight`.
     """
 
     def __init__(self, weight: Tensor, min_rows: int = 1):
         super().__init__()
-        self.weight = weight                                          # (out, in), still shared
+        self.out_features, self.in_features = weight.shape
         self.min_rows = min_rows
         # the batch-size hint only tunes the blocked layout; one reordering serves every k
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
@@ -181,8 +182,11 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and child.bias is None:
                     setattr(parent, name, PackedLinear(child.weight, m))
-    head = w if model.config.tie_embeddings else model.output.weight
-    model.packed_head = PackedLinear(head.detach(), m)  # detached: no second state_dict entry
+    if not model.config.tie_embeddings:
+        model.packed_head = PackedLinear(model.output.weight, m)
+        del model.output                 # the packed copy replaces it, as in every layer
+    else:  # the embedding table stays for lookups; the head reads its packed copy
+        model.packed_head = PackedLinear(w, m)
     return model
 
 
@@ -263,7 +267,10 @@ class Llama(nn.Module):
 
     def head(self, x: Tensor) -> Tensor:
         """Final norm + LM head: (B, T, C) -> logits (B, T, V), at least fp32."""
-        w = self.tok_embeddings.weight if self.config.tie_embeddings else self.output.weight
         h = self.norm(x)
-        logits = self.packed_head(h) if self.packed_head is not None else F.linear(h, w)
+        if self.packed_head is not None:
+            logits = self.packed_head(h)
+        else:
+            logits = F.linear(h, self.tok_embeddings.weight if self.config.tie_embeddings
+                              else self.output.weight)
         return logits.to(torch.promote_types(logits.dtype, torch.float32))

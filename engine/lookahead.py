@@ -157,7 +157,7 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 # --------------------------------------------------------------------------- decoder
 
 DEFAULT_N = 4                          # n-gram size when --ngram is not given (make bench: N4 beat N5 here)
-AUTO = ((3, 3), (5, 5), (8, 8))        # (W, G) arms of the automatic choice, cheap to costly
+AUTO = ((2, 2), (3, 3), (5, 5))        # (W, G) arms of the automatic choice, cheap to costly
 
 
 class Auto:

@@ -151,11 +151,14 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
         for hf_name in parts:
             if hf_name not in tensors:
                 raise ValueError(f"{ckpt_dir}: checkpoint lacks {hf_name} for {name}")
-        t = torch.cat([tensors[n] for n in parts]) if len(parts) > 1 else tensors[parts[0]]
-        if tuple(t.shape) != tuple(want.shape):
-            shapes = ", ".join(f"{n} has shape {tuple(tensors[n].shape)}" for n in parts)
-            raise ValueError(f"{ckpt_dir}: {shapes}; the model wants {tuple(want.shape)}"
+        shapes = [tuple(tensors[n].shape) for n in parts]
+        rows = sum(sh[0] for sh in shapes if sh)
+        if any(sh[1:] != tuple(want.shape[1:]) for sh in shapes) or rows != want.shape[0]:
+            said = ", ".join(f"{n} has shape {sh}" for n, sh in zip(parts, shapes))
+            raise ValueError(f"{ckpt_dir}: {said}; the model wants {tuple(want.shape)}"
                              + (f" stacked into {name}" if len(parts) > 1 else ""))
+        # pop as we go: each part is freed once stacked, so loading never holds two copies
+        t = torch.cat([tensors.pop(n) for n in parts]) if len(parts) > 1 else tensors.pop(parts[0])
         state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)

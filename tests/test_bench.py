@@ -100,3 +100,14 @@ def test_compare_runs_every_config_and_checks_tokens_against_plain():
     assert table["plain"]["a"]["speedup"] == 1.0 and table["plain"]["a"]["tokens_per_forward"] == 1.0
     assert table["spec"]["b"]["acceptance_by_position"]           # drafts were tried
     assert "| lookahead W5 N4 G5 |" in markdown(table, None)
+
+
+@pytest.mark.parametrize("tie", [False, True])
+def test_weight_bytes_counts_what_one_token_reads(tie):
+    # every matrix and norm once, the head included; of the embedding table only a row is read,
+    # so an untied model's table is not counted and a tied one's is counted once, as the head
+    from engine.bench import weight_bytes
+    model = tiny_llama(0, vocab=64, tie=tie)
+    params = sum(p.numel() for p in model.parameters())
+    table = model.tok_embeddings.weight.numel()
+    assert weight_bytes(model.config, 8) == 8 * (params - (0 if tie else table))

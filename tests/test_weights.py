@@ -210,6 +210,9 @@ def test_cli_reports_errors_in_one_line_and_exits_2(tmp_path, capsys):
 
 @pytest.mark.parametrize("edit, words", [
     (lambda t: t.update({"model.norm.weight": torch.ones(C + 1)}), "model.norm.weight has shape"),
+    (lambda t: t.update({"model.layers.0.self_attn.k_proj.weight": torch.zeros(4, C + 1)}),
+     r"k_proj.weight has shape \(4, %d\).*stacked into layers.0.attention.wqkv" % (C + 1)),
+    (lambda t: t.update({"model.norm.weight": torch.ones(C, 1)}), "model.norm.weight has shape"),
     (lambda t: t.pop("model.layers.1.mlp.up_proj.weight"),
      "lacks model.layers.1.mlp.up_proj.weight for layers.1.feed_forward.w13.weight"),
     (lambda t: t.update({"model.layers.0.self_attn.q_proj.bias": torch.zeros(C)}),

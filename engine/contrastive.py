@@ -124,10 +124,7 @@ def _amateur(expert: Llama, amateur: Llama | int, cache: KVCache, a_cache: KVCac
     positions = torch.arange(c.length, c.length + tokens.shape[1], device=tokens.device)
     if not isinstance(amateur, int):
         return None, amateur(tokens, positions, c, keep=[-1])[0, -1]
-    h = expert.blocks(expert.tok_embeddings(tokens), positions, cache, stop=amateur)  # (1, T, C)
-    # subtle: step past these slots so the next draft sees their layer < L K/V, which are
-    # final (they depend on the tokens alone); layers >= L there stay stale until _expert
-    cache.length += tokens.shape[1]
+    h = expert.lower(tokens, positions, cache, amateur)                  # (1, T, C)
     return h, expert.head(h[:, -1:])[0, -1]
 
 
@@ -140,7 +137,5 @@ def _expert(expert: Llama, amateur: Llama | int, cache: KVCache, tokens: Tensor,
     if not isinstance(amateur, int):
         return expert(tokens, positions, cache, keep=torch.arange(T - rows, T))[0]
     # early exit: the drafting pass already ran layers < L on these T rows; resume at L
-    cache.length = start
-    x = expert.blocks(torch.cat(hs, 1), positions, cache, start=amateur)   # (1, T, C)
-    cache.length = start + T
+    x = expert.upper(torch.cat(hs, 1), positions, cache, start, amateur)  # (1, T, C)
     return expert.head(x[:, T - rows:])[0]

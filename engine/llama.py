@@ -68,10 +68,12 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: Tensor) -> Tensor:
-        # w * x / sqrt(mean(x^2) + eps), normalised in at least fp32 as the reference does
-        # (F.rms_norm gives the bits of x * rsqrt(x.pow(2).mean(-1) + eps), in one kernel)
-        xf = x.to(torch.promote_types(x.dtype, torch.float32))
-        return self.weight * F.rms_norm(xf, (xf.shape[-1],), eps=self.eps).to(x.dtype)
+        # w * x / sqrt(mean(x^2) + eps); F.rms_norm gives the bits of the reference's
+        # w * (x * rsqrt(x.pow(2).mean(-1) + eps)) in fp32 and fp64 (tests/test_llama.py)
+        if x.dtype in (torch.float32, torch.float64):
+            return F.rms_norm(x, (x.shape[-1],), self.weight, self.eps)
+        # fp16 / bf16: normalised in fp32, cast back, then scaled, as the reference does
+        return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
 def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -107,7 +109,7 @@ class Attention(nn.Module):
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
 
     def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
-                cache: KVCache | None, layer: int, mask: Tensor) -> Tensor:
+                cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:
         """h (B, T, C) normed input of all rows; only `rows` (or all) get queries."""
         B, T, _ = h.shape
         H, Hkv, D = self.n_heads, self.n_kv_heads, self.head_dim
@@ -117,7 +119,7 @@ class Attention(nn.Module):
         if cache is not None:
             k, v = cache.append(layer, k, v)                               # (B, Hkv, S, D)
         if rows is not None:                                               # frozen rows: K/V only
-            q, mask = q[:, :, rows], mask[rows]                            # (B, H, Tq, D)
+            q, mask = q[:, :, rows], mask if mask is None else mask[rows]  # (B, H, Tq, D)
         Tq = q.shape[2]
         # softmax(q k^T / sqrt(D) + log mask) v, each kv head shared by H / Hkv query heads
         y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, Tq, D)
@@ -135,61 +137,6 @@ class FeedForward(nn.Module):
         return self.w2(F.silu(gate) * up)                              # SwiGLU: (B, T, C)
 
 
-class PackedLinear(nn.Module):
-    """y = x W^T through oneDNN, W reordered once into its blocked layout (CPU, fp32).
-
-    F.linear (MKL) leaves its one-row routine for k > 1 rows and repacks W on every call, so
-    a k-row forward costs about 2x a one-row one at k=8. oneDNN on a weight reordered at load
-    time streams it once for all k rows: k=8 costs about what k=1 does (`python -m
-    engine.bench --forward-cost`). Only the reordered copy is kept (the weights' memory is
-    not doubled), so prepack after the weights are final; the module has no `weight`.
-    """
-
-    def __init__(self, weight: Tensor, min_rows: int = 1):
-        super().__init__()
-        self.out_features, self.in_features = weight.shape
-        self.min_rows = min_rows
-        # the batch-size hint only tunes the blocked layout; one reordering serves every k
-        self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
-
-    def forward(self, x: Tensor) -> Tensor:
-        n = x.numel() // x.shape[-1]                                  # rows, B*T
-        if n >= self.min_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
-        # subtle: oneDNN takes a matrix-vector kernel for one row and a matrix-matrix kernel
-        # for two or more, and they round differently; the latter gives every row the same
-        # bits whatever the row count, so zero rows make one-row steps take it too
-        x2 = F.pad(x.reshape(n, -1), (0, 0, 0, self.min_rows - n))   # (min_rows, in)
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
-        return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
-
-
-def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
-    """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
-    the model is fp32 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
-
-    batch_invariant: run one-row inputs as two rows so that a row's matmul outputs never
-    depend on how many rows shared its forward. Off by default: the two-row kernel makes a
-    one-row step about 20% slower, and attention sums are not row-invariant anyway (a
-    verified row sees its keys at other cache slots, so SIMD lanes add them in another order).
-    """
-    m = 2 if batch_invariant else 1
-    w = model.tok_embeddings.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
-        return model
-    for block in model.layers:
-        for parent in (block.attention, block.feed_forward):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and child.bias is None:
-                    setattr(parent, name, PackedLinear(child.weight, m))
-    if not model.config.tie_embeddings:
-        model.packed_head = PackedLinear(model.output.weight, m)
-        del model.output                 # the packed copy replaces it, as in every layer
-    else:  # the embedding table stays for lookups; the head reads its packed copy
-        model.packed_head = PackedLinear(w, m)
-    return model
-
-
 class Block(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
@@ -199,7 +146,7 @@ class Block(nn.Module):
         self.feed_forward = FeedForward(cfg)
 
     def forward(self, x: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
-                cache: KVCache | None, layer: int, mask: Tensor) -> Tensor:
+                cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:
         a = self.attention(self.attention_norm(x), rows, cos, sin, cache, layer, mask)
         if rows is None:
             x = x + a
@@ -220,7 +167,7 @@ class Llama(nn.Module):
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if not cfg.tie_embeddings:
             self.output = nn.Linear(cfg.dim, cfg.vocab_size, bias=False)
-        self.packed_head: PackedLinear | None = None  # set by prepack()
+        self.packed_head: nn.Module | None = None  # the LM head, set by packed.prepack()
 
     @torch.no_grad()
     def forward(self, tokens: Tensor, positions: Tensor, cache: KVCache | None = None,
@@ -253,9 +200,9 @@ class Llama(nn.Module):
         """
         T = x.shape[1]
         cached = cache.length if cache is not None else 0
-        if mask is None:
+        if mask is None and T > 1:  # one new row sees every key: SDPA needs no mask then
             mask = causal_mask(cached, T, x.device)                        # (T, S)
-        if mask.shape != (T, cached + T):
+        if mask is not None and mask.shape != (T, cached + T):
             raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
         cos, sin = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         stop = self.config.n_layers if stop is None else stop
@@ -263,6 +210,27 @@ class Llama(nn.Module):
         for i in range(start, stop):
             rows = keep if (keep is not None and i >= first_trimmed) else None
             x = self.layers[i](x, rows, cos, sin, cache, i, mask)          # (B, T, C)
+        return x
+
+    @torch.no_grad()
+    def lower(self, tokens: Tensor, positions: Tensor, cache: KVCache, L: int) -> Tensor:
+        """Layers [0, L) of tokens (B, T) -> their layer-L stream (B, T, C): an early exit.
+
+        Advances cache.length past the T slots, so a next call sees their K/V of layers < L,
+        which are final (they depend on the tokens alone). Layers >= L at those slots stay
+        stale until `upper` writes them.
+        """
+        x = self.blocks(self.tok_embeddings(tokens), positions, cache, stop=L)
+        cache.length += tokens.shape[1]
+        return x
+
+    @torch.no_grad()
+    def upper(self, x: Tensor, positions: Tensor, cache: KVCache, start: int, L: int) -> Tensor:
+        """Layers [L, n_layers) of the layer-L stream x (B, T, C) of slots [start, start + T),
+        resuming `lower`; leaves cache.length at start + T. Returns x (B, T, C)."""
+        cache.length = start
+        x = self.blocks(x, positions, cache, start=L)
+        cache.length = start + x.shape[1]
         return x
 
     def head(self, x: Tensor) -> Tensor:

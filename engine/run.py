@@ -16,7 +16,7 @@ import torch
 
 from engine import contrastive, lookahead, speculative
 from engine.generate import Stats, generate, plain
-from engine.llama import prepack
+from engine.packed import prepack
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import default_checkpoint, load_model
@@ -66,7 +66,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument("--no-prepack", action="store_true",
-                   help="plain nn.Linear on CPU instead of MKL-prepacked weights (same tokens, slower k-row forwards)")
+                   help="plain nn.Linear on CPU instead of oneDNN-reordered fp32 weights (slower, k-row forwards most)")
+    p.add_argument("--batch-invariant", action="store_true",
+                   help="one-row matmuls take the k-row kernel, so rows round alike whatever the batch (about 20%% slower)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g = p.add_argument_group("lookahead (None = chosen automatically)")
     g.add_argument("--window", type=int, help="W, Jacobi window columns")
@@ -110,7 +112,7 @@ def models(args) -> tuple:
 def load(ckpt, args):
     """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack."""
     model = load_model(ckpt, args.device, DTYPES[args.dtype])
-    return model if args.no_prepack else prepack(model)
+    return model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
 
 
 def run(args) -> dict:
@@ -152,7 +154,17 @@ def run(args) -> dict:
             "acceptance": stats.accepted / stats.drafted if stats.drafted else None,
             "hit_rate": stats.hits / stats.n_forwards if stats.drafted else None,
             "step_lengths": dict(sorted(stats.step_lengths.items())),
-            "peak_rss_mb": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024}
+            "peak_rss_mb": peak_rss_mb()}
+
+
+def peak_rss_mb() -> float:
+    """This process's peak resident memory. Linux's VmHWM starts afresh at exec; ru_maxrss
+    does not (a child started by a big parent reports the parent's peak), so it is the fallback."""
+    try:
+        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
+        return int(line.split()[1]) / 1024                                  # kB -> MB
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -63,13 +63,9 @@ class _Early:
     target_seen = property(lambda self: self.base)
     draft_seen = property(lambda self: self.cache.length)
 
-    @torch.no_grad()
     def _lower(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        x = self.target.blocks(self.target.tok_embeddings(tokens), positions, self.cache, stop=self.L)
-        # subtle: advance the shared length so the next draft token sees these K/V; layers >= L
-        # at these slots stay stale until verify writes them, and no draft ever reads them
-        self.cache.length += tokens.shape[1]
-        self.hidden.append(x)                                                      # (1, T, C)
+        x = self.target.lower(tokens, positions, self.cache, self.L)               # (1, T, C)
+        self.hidden.append(x)
         return x
 
     @torch.no_grad()
@@ -82,9 +78,7 @@ class _Early:
         if fed < tokens.shape[1]:                     # the last draft has no layer-L state yet
             self._lower(tokens[:, fed:], positions[fed:])
         x, self.hidden = torch.cat(self.hidden, 1), []                             # (1, T, C)
-        self.cache.truncate(self.base)
-        x = self.target.blocks(x, positions, self.cache, start=self.L)             # (1, T, C)
-        self.cache.length += tokens.shape[1]
+        x = self.target.upper(x, positions, self.cache, self.base, self.L)         # (1, T, C)
         return self.target.head(x[:, -rows:])[0]                                   # (K+1, V)
 
     def rollback(self, n: int) -> None:

@@ -149,3 +149,27 @@ def test_running_the_layers_in_two_pieces_equals_one_forward(seed, split):
     x = model.blocks(x, torch.arange(5), cache, start=split)
     torch.testing.assert_close(model.head(x), model(tokens, torch.arange(5)), atol=ATOL, rtol=0)
     assert cache.length == 0  # blocks() never advances the cache; forward() does
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
+def test_rms_norm_gives_the_reference_bits(dtype):
+    # the reference (HF LlamaRMSNorm): normalise in fp32, cast back, then scale by the weight
+    from engine.llama import RMSNorm
+    g = torch.Generator().manual_seed(0)
+    norm = RMSNorm(96, 1e-5).to(dtype)
+    norm.weight.data = torch.randn(96, generator=g).to(dtype)
+    for _ in range(20):
+        x = (torch.randn(3, 5, 96, generator=g) * 10 * torch.rand(1, generator=g)).to(dtype)
+        xf = x.to(torch.promote_types(dtype, torch.float32))
+        want = norm.weight * (xf * torch.rsqrt(xf.pow(2).mean(-1, keepdim=True) + 1e-5)).to(dtype)
+        assert torch.equal(norm(x), want)
+
+
+def test_one_row_without_a_mask_equals_one_row_with_the_full_mask(model):
+    # blocks() skips the mask for a lone new row (it sees every key); that must change no bit
+    cache = KVCache.for_model(model, 16)
+    model(torch.tensor([[1, 2, 3, 4]]), torch.arange(4), cache)
+    a = model(torch.tensor([[5]]), torch.tensor([4]), cache)
+    cache.truncate(4)
+    b = model(torch.tensor([[5]]), torch.tensor([4]), cache, mask=torch.ones(1, 5, dtype=torch.bool))
+    assert torch.equal(a, b)

@@ -1,11 +1,11 @@
-"""Fast CPU matmuls: every projection and the LM head on oneDNN-reordered fp32 weights.
+"""Fast CPU matmuls: every projection and the LM head on oneDNN-reordered weights.
 
 A k-row forward must cost about what a one-row forward costs, or lookahead and speculative
 decoding (which verify k rows per forward) cannot win. F.linear (MKL) leaves its one-row
 routine for k > 1 rows and repacks W on every call; oneDNN on a weight reordered once into
 its blocked layout streams it once for all k rows (`python -m engine.bench --forward-cost`).
 
-    model = prepack(load_model(ckpt))   # in place; CUDA, fp64 and bf16 models keep nn.Linear
+    model = prepack(load_model(ckpt))   # in place; CUDA, fp64 and fp16 models keep nn.Linear
 """
 from __future__ import annotations
 
@@ -17,7 +17,7 @@ from engine.llama import Llama
 
 
 class PackedLinear(nn.Module):
-    """y = x W^T through oneDNN, W reordered once into its blocked layout (CPU, fp32).
+    """y = x W^T through oneDNN, W reordered once into its blocked layout (CPU, fp32 or bf16).
 
     Only the reordered copy is kept (the weights' memory is not doubled), so prepack after
     the weights are final; the module has no `weight`.
@@ -44,7 +44,7 @@ class PackedLinear(nn.Module):
 
 def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
-    the model is fp32 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
+    the model is fp32 or bf16 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
 
     batch_invariant: run one-row inputs as two rows so that a row's matmul outputs never
     depend on how many rows shared its forward. Off by default: the two-row kernel makes a
@@ -53,7 +53,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """
     m = 2 if batch_invariant else 1
     w = model.tok_embeddings.weight
-    if w.device.type != "cpu" or w.dtype != torch.float32 or not torch.backends.mkldnn.is_available():
+    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return model
     for block in model.layers:
         for parent in (block.attention, block.feed_forward):

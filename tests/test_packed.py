@@ -1,5 +1,5 @@
-"""The packed CPU linear path: a kernel swap that must give nn.Linear's logits (to float32
-rounding), and with batch_invariant a row's outputs must not depend on how many rows share
+"""The packed CPU linear path: a kernel swap that must give nn.Linear's logits (to the
+dtype's rounding), and with batch_invariant a row's outputs must not depend on how many rows share
 its forward.
 """
 import pytest
@@ -12,22 +12,23 @@ from conftest import tiny_llama
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
 
 
-def fp32_pair(tie=False):
+def pair(tie=False, dtype=torch.float32):
     from engine.bench import twin
-    model = tiny_llama(0, vocab=64, tie=tie).float()
+    model = tiny_llama(0, vocab=64, tie=tie).to(dtype)
     return twin(model), packed.prepack(model)
 
 
 @needs_onednn
-@pytest.mark.parametrize("tie", [False, True])
-def test_prepacked_model_gives_the_logits_of_nn_linear(tie):
-    # why: prepack is a kernel swap, never a model change
-    naive, fast = fp32_pair(tie)
+@pytest.mark.parametrize("tie, dtype, tol", [(False, torch.float32, 1e-5), (True, torch.float32, 1e-5),
+                                             (False, torch.bfloat16, 3e-2)])
+def test_prepacked_model_gives_the_logits_of_nn_linear(tie, dtype, tol):
+    # why: prepack is a kernel swap, never a model change (bf16: to a bf16 rounding or two)
+    naive, fast = pair(tie, dtype)
     assert isinstance(fast.layers[0].feed_forward.w13, packed.PackedLinear)
     tokens, pos = torch.randint(0, 64, (1, 7)), torch.arange(7)
     a = naive(tokens, pos, KVCache.for_model(naive, 8))
     b = fast(tokens, pos, KVCache.for_model(fast, 8))
-    torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(a, b, rtol=tol, atol=tol)
 
 
 def test_prepack_leaves_float64_models_alone():

@@ -360,6 +360,33 @@ def plot(table: dict, path: Path) -> None:
     ax.set_ylabel("tokens/s over plain (same run)")
     ax.set_title("Greedy decoders against plain, SmolLM2-135M-Instruct")
     ax.legend(fontsize=8)
+    save(fig, path)
+
+
+def plot_cost(cost: dict, path: Path) -> None:
+    """ms of a k-row forward against k for each model timed; stars mark the targets for the
+    first model: cost(8) at most 1.3 cost(1), cost(32) at most 2 cost(1)."""
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    row = lambda rows, k: rows[k if k in rows else str(k)]        # int keys live, str from JSON
+    fig, ax = plt.subplots(figsize=(6, 4))
+    for name, rows in cost.items():
+        ks = sorted(int(k) for k in rows)
+        ax.plot(ks, [row(rows, k)["ms"] for k in ks], "o-", label=name)
+    one = row(next(iter(cost.values())), 1)["ms"]
+    ax.plot([8, 32], [1.3 * one, 2.0 * one], "k*", ms=10, label="targets: 1.3x, 2x its k=1")
+    ax.set_xscale("log", base=2)
+    ax.set_ylim(bottom=0)
+    ax.set_xlabel("rows k in one forward")
+    ax.set_ylabel("ms per forward (median)")
+    ax.set_title("What a k-row forward costs, SmolLM2-135M")
+    ax.legend(fontsize=8)
+    save(fig, path)
+
+
+def save(fig, path: Path) -> None:
+    import matplotlib.pyplot as plt
     fig.tight_layout()
     buf = io.BytesIO()
     fig.savefig(buf, format="png", dpi=120)
@@ -469,6 +496,10 @@ def print_table(result: dict, out: Path) -> None:
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")
+    if "forward_cost" in result:
+        out.mkdir(parents=True, exist_ok=True)
+        plot_cost(result["forward_cost"], out / "forward-cost.png")
+        print(f"written: {out}/forward-cost.png")
     for name, rows in result.get("forward_cost", {}).items():
         print(f"forward cost ({name}):  k  median ms  min ms  spread  ratio")
         for k, r in rows.items():

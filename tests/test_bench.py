@@ -56,3 +56,10 @@ def test_weight_bytes_counts_what_one_token_reads(tie):
     params = sum(p.numel() for p in model.parameters())
     table = model.tok_embeddings.weight.numel()
     assert weight_bytes(model.config, 8) == 8 * (params - (0 if tie else table))
+
+
+def test_cost_plot_is_written_whole(tmp_path):
+    from engine.bench import plot_cost
+    cost = {"engine": {1: {"ms": 30.0}, 8: {"ms": 33.0}}, "naive": {"1": {"ms": 50.0}, "8": {"ms": 70.0}}}
+    plot_cost(cost, tmp_path / "c.png")                     # int keys live, str keys from JSON
+    assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG" and len(list(tmp_path.iterdir())) == 1

@@ -30,9 +30,11 @@ run: weights
 test: weights
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
-# Every decoder against plain on the shipped prompt sets; writes bench-out/ (table, JSON, plot).
+# Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
+# the k-row forward cost against nn.Linear (bench-out/forward-cost.png), the roof, peak memory.
 bench: weights
 	$(PY) -m engine.bench
+	$(PY) -m engine.bench --forward-cost --naive --roof --memory --repeats 5
 
 clean:
 	rm -rf $(VENV) $(CKPT) .pytest_cache .hypothesis bench-out

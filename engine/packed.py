@@ -48,7 +48,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
     batch_invariant: run one-row inputs as two rows so that a row's matmul outputs never
     depend on how many rows shared its forward. Off by default: the two-row kernel makes a
-    one-row step about 20% slower, and attention sums are not row-invariant anyway (a
+    one-row step 9-27% slower here, and attention sums are not row-invariant anyway (a
     verified row sees its keys at other cache slots, so SIMD lanes add them in another order).
     """
     m = 2 if batch_invariant else 1

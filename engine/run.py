@@ -68,7 +68,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear on CPU instead of oneDNN-reordered fp32 weights (slower, k-row forwards most)")
     p.add_argument("--batch-invariant", action="store_true",
-                   help="one-row matmuls take the k-row kernel, so rows round alike whatever the batch (about 20%% slower)")
+                   help="one-row matmuls take the k-row kernel, so rows round alike whatever the batch (9-27%% slower here)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     g = p.add_argument_group("lookahead (None = chosen automatically)")
     g.add_argument("--window", type=int, help="W, Jacobi window columns")

@@ -151,6 +151,24 @@ def test_running_the_layers_in_two_pieces_equals_one_forward(seed, split):
     assert cache.length == 0  # blocks() never advances the cache; forward() does
 
 
+@given(seed=st.integers(0, 2**16), split=st.integers(0, 2), first=st.integers(1, 4))
+def test_lower_then_upper_equals_a_cached_forward(seed, split, first):
+    # Why: self-drafts and early-exit amateurs feed tokens through `lower` one piece at a
+    # time (advancing the cache), then resume all of them at once with `upper`.
+    model = tiny_llama(seed % 3)
+    tokens = tokens_for(seed, 5)
+    cache = KVCache.for_model(model, 5)
+    h1 = model.lower(tokens[:, :first], torch.arange(first), cache, split)
+    h2 = model.lower(tokens[:, first:], torch.arange(first, 5), cache, split)
+    assert cache.length == 5
+    x = model.upper(torch.cat([h1, h2], 1), torch.arange(5), cache, 0, split)
+    assert cache.length == 5
+    want_cache = KVCache.for_model(model, 5)
+    want = model(tokens, torch.arange(5), want_cache)
+    torch.testing.assert_close(model.head(x), want, atol=ATOL, rtol=0)
+    torch.testing.assert_close(cache.k, want_cache.k, atol=ATOL, rtol=0)   # every layer's K/V
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16, torch.float16])
 def test_rms_norm_gives_the_reference_bits(dtype):
     # the reference (HF LlamaRMSNorm): normalise in fp32, cast back, then scale by the weight

@@ -66,7 +66,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument("--no-prepack", action="store_true",
-                   help="plain nn.Linear on CPU instead of oneDNN-reordered fp32 weights (slower, k-row forwards most)")
+                   help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row forwards most)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="one-row matmuls take the k-row kernel, so rows round alike whatever the batch (9-27%% slower here)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
@@ -120,6 +120,8 @@ def run(args) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here")
+    if args.batch_invariant and args.no_prepack:
+        raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
     ckpt = args.checkpoint or default_checkpoint()
     if not Path(ckpt).is_dir():

@@ -157,7 +157,8 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
             said = ", ".join(f"{n} has shape {sh}" for n, sh in zip(parts, shapes))
             raise ValueError(f"{ckpt_dir}: {said}; the model wants {tuple(want.shape)}"
                              + (f" stacked into {name}" if len(parts) > 1 else ""))
-        # pop as we go: each part is freed once stacked, so loading never holds two copies
+        # pop as we go, so no HF part outlives its stacked copy (safetensors maps the file, so
+        # its touched pages stay resident while any tensor from it lives)
         t = torch.cat([tensors.pop(n) for n in parts]) if len(parts) > 1 else tensors.pop(parts[0])
         state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)

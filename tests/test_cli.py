@@ -19,6 +19,7 @@ real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
     (["--max-new-tokens", "0", "--prompt", "hi"], "max-new-tokens"),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt", "hi"], "not a directory"),
     (["--device", "cuda:0", "--prompt", "hi"], "CUDA"),
+    (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as e:

@@ -313,7 +313,7 @@ def hf_reference(python: str, checkpoint: Path, prompts: dict, max_new_tokens: i
 
 def memory(checkpoint: Path, max_new_tokens: int) -> dict:
     """Peak resident memory of `python -m engine.run --decoder D --json` per decoder, each in
-    a fresh process (a process's peak cannot be split between decoders run inside it)."""
+    a fresh process: while loading (file pages and weight copies) and then while decoding."""
     import subprocess
     from engine.run import DECODERS
     out = {}
@@ -326,8 +326,9 @@ def memory(checkpoint: Path, max_new_tokens: int) -> dict:
         if r.returncode != 0:
             raise ValueError(f"memory: --decoder {name} failed: {r.stderr.strip().splitlines()[-1:]}")
         j = json.loads(r.stdout)
-        out[name] = {"peak_rss_mb": round(j["peak_rss_mb"]), "tok_s": round(j["tokens_per_second"], 1),
-                     "new_tokens": j["n_tokens"]}
+        out[name] = {"load_peak_rss_mb": round(j["load_peak_rss_mb"]),
+                     "decode_peak_rss_mb": round(j["decode_peak_rss_mb"]),
+                     "tok_s": round(j["tokens_per_second"], 1), "new_tokens": j["n_tokens"]}
     return out
 
 
@@ -505,9 +506,10 @@ def print_table(result: dict, out: Path) -> None:
         for k, r in rows.items():
             print(f"  {k:>30}  {r['ms']:9.1f}  {r['min_ms']:6.1f}  {r['spread']:6.0%}  {r['ratio']:5.2f}")
     if "memory" in result:
-        print("decoder        peak RSS MB  tok/s  new tokens")
+        print("decoder       peak RSS MB: loading  decoding  tok/s  new tokens")
         for name, m in result["memory"].items():
-            print(f"  {name:12}  {m['peak_rss_mb']:11}  {m['tok_s']:5}  {m['new_tokens']:10}")
+            print(f"  {name:12}  {m['load_peak_rss_mb']:20}  {m['decode_peak_rss_mb']:8}  "
+                  f"{m['tok_s']:5}  {m['new_tokens']:10}")
     if "roof" in result:
         r, d = result["roof"], result["plain_decode"]
         print(f"roof: {r['weight_mb']} MB at {r['copy_gbps']} GB/s copy -> {r['roof_tok_s']} tok/s "

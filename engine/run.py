@@ -134,6 +134,7 @@ def run(args) -> dict:
         text = tok.render_chat([{"role": "user", "content": text}])
     prompt = tok.encode(text)
     model = load(ckpt, args)
+    load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     if len(prompt) + args.max_new_tokens > model.config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
                          f" exceeds the model's context ({model.config.max_seq_len})")
@@ -156,17 +157,23 @@ def run(args) -> dict:
             "acceptance": stats.accepted / stats.drafted if stats.drafted else None,
             "hit_rate": stats.hits / stats.n_forwards if stats.drafted else None,
             "step_lengths": dict(sorted(stats.step_lengths.items())),
-            "peak_rss_mb": peak_rss_mb()}
+            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb()}
 
 
-def peak_rss_mb() -> float:
-    """This process's peak resident memory. Linux's VmHWM starts afresh at exec; ru_maxrss
-    does not (a child started by a big parent reports the parent's peak), so it is the fallback."""
+def peak_rss_mb(reset: bool = False) -> float:
+    """This process's peak resident memory (Linux's VmHWM; ru_maxrss where /proc is missing,
+    though it counts a parent's peak after exec). reset: start a new peak after reading it."""
     try:
-        line = next(l for l in Path("/proc/self/status").read_text().splitlines() if l.startswith("VmHWM:"))
-        return int(line.split()[1]) / 1024                                  # kB -> MB
+        status = Path("/proc/self/status").read_text()
+        peak = int(next(l for l in status.splitlines() if l.startswith("VmHWM:")).split()[1]) / 1024
     except (OSError, StopIteration):
-        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # kB -> MB
+    if reset:
+        try:
+            Path("/proc/self/clear_refs").write_text("5")   # "5" resets VmHWM to VmRSS (Linux >= 4.0)
+        except OSError:
+            pass                                            # then the next peak includes this one
+    return peak
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -157,10 +157,10 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
             said = ", ".join(f"{n} has shape {sh}" for n, sh in zip(parts, shapes))
             raise ValueError(f"{ckpt_dir}: {said}; the model wants {tuple(want.shape)}"
                              + (f" stacked into {name}" if len(parts) > 1 else ""))
-        # pop as we go, so no HF part outlives its stacked copy (safetensors maps the file, so
-        # its touched pages stay resident while any tensor from it lives)
+        # subtle: safetensors maps the file, and one tensor still viewing the map keeps every
+        # page touched so far resident; so every tensor is copied out (cat copies already)
         t = torch.cat([tensors.pop(n) for n in parts]) if len(parts) > 1 else tensors.pop(parts[0])
-        state[name] = t.to(device=device, dtype=dtype)
+        state[name] = t.to(device=device, dtype=dtype, copy=len(parts) == 1)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 

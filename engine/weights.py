@@ -27,8 +27,8 @@ from pathlib import Path
 import gguf
 import numpy as np
 import torch
-from safetensors import SafetensorError
-from safetensors.torch import load_file, save_file
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
@@ -115,19 +115,32 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
         raise ValueError(f"{path}: lacks {e}") from None
 
 
-def read_tensors(ckpt_dir: Path) -> dict[str, torch.Tensor]:
+def read_tensors(ckpt_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
+    """Every tensor of the checkpoint: name -> (its safetensors file, its shape), headers only."""
     index = ckpt_dir / "model.safetensors.index.json"
     files = (sorted(set(json.loads(index.read_text())["weight_map"].values())) if index.is_file()
              else ["model.safetensors"])
-    tensors = {}
+    found = {}
     for f in files:
         if not (ckpt_dir / f).is_file():
             raise FileNotFoundError(f"{ckpt_dir / f}: missing")
         try:
-            tensors |= load_file(ckpt_dir / f)
+            with safe_open(ckpt_dir / f, "pt") as h:
+                found |= {n: (ckpt_dir / f, tuple(h.get_slice(n).get_shape())) for n in h.keys()}
         except (SafetensorError, OSError) as e:
             raise ValueError(f"{ckpt_dir / f}: not a readable safetensors file ({e})") from None
-    return tensors
+    return found
+
+
+def read_tensor(file: Path, name: str) -> torch.Tensor:
+    # subtle: safetensors maps the file, and while one tensor views the map every page read
+    # through it stays resident (~540 MB for SmolLM2); a map per tensor, copied out, keeps
+    # the loading peak near one copy of the weights
+    try:
+        with safe_open(file, "pt") as h:
+            return h.get_tensor(name).clone()
+    except (SafetensorError, OSError) as e:
+        raise ValueError(f"{file}: cannot read {name} ({e})") from None
 
 
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
@@ -137,11 +150,14 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
     with torch.device("meta"):  # no memory, no init: every tensor comes from the checkpoint
         model = Llama(config)
     expected = model.state_dict()
-    tensors = read_tensors(ckpt_dir)
+    tensors = read_tensors(ckpt_dir)                           # name -> (file, shape)
+    get = lambda name: read_tensor(tensors[name][0], name)
     # subtle: some tied checkpoints also store the head; accept it only as an exact copy
     if config.tie_embeddings and "lm_head.weight" in tensors:
-        if not torch.equal(tensors.pop("lm_head.weight"), tensors.get("model.embed_tokens.weight")):
+        embed = "model.embed_tokens.weight"
+        if embed in tensors and not torch.equal(get("lm_head.weight"), get(embed)):
             raise ValueError(f"{ckpt_dir}: tied embeddings, yet lm_head.weight differs")
+        del tensors["lm_head.weight"]
     for hf_name in tensors:
         if rename(NAME_MAP, hf_name) not in expected:
             raise ValueError(f"{ckpt_dir}: checkpoint tensor {hf_name} is not used by the model")
@@ -151,16 +167,14 @@ def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
         for hf_name in parts:
             if hf_name not in tensors:
                 raise ValueError(f"{ckpt_dir}: checkpoint lacks {hf_name} for {name}")
-        shapes = [tuple(tensors[n].shape) for n in parts]
+        shapes = [tensors[n][1] for n in parts]
         rows = sum(sh[0] for sh in shapes if sh)
         if any(sh[1:] != tuple(want.shape[1:]) for sh in shapes) or rows != want.shape[0]:
             said = ", ".join(f"{n} has shape {sh}" for n, sh in zip(parts, shapes))
             raise ValueError(f"{ckpt_dir}: {said}; the model wants {tuple(want.shape)}"
                              + (f" stacked into {name}" if len(parts) > 1 else ""))
-        # subtle: safetensors maps the file, and one tensor still viewing the map keeps every
-        # page touched so far resident; so every tensor is copied out (cat copies already)
-        t = torch.cat([tensors.pop(n) for n in parts]) if len(parts) > 1 else tensors.pop(parts[0])
-        state[name] = t.to(device=device, dtype=dtype, copy=len(parts) == 1)
+        t = torch.cat([get(n) for n in parts]) if len(parts) > 1 else get(parts[0])
+        state[name] = t.to(device=device, dtype=dtype)
     model.load_state_dict(state, strict=True, assign=True)
     return model.eval().requires_grad_(False)
 

@@ -230,9 +230,11 @@ def test_load_refuses_corrupt_or_missing_files(ckpt, tmp_path):
     with pytest.raises(FileNotFoundError, match="no such checkpoint"):
         load_model(tmp_path / "nowhere")
     bad = shutil.copytree(ckpt, tmp_path / "bad")
-    (bad / "model.safetensors").write_bytes(b"\x00" * 100)
-    with pytest.raises(ValueError, match="not a readable safetensors"):
-        load_model(bad)
+    data = (bad / "model.safetensors").read_bytes()
+    for broken in (b"\x00" * 100, data[:len(data) // 2]):      # garbage; a download cut short
+        (bad / "model.safetensors").write_bytes(broken)
+        with pytest.raises(ValueError, match="not a readable safetensors"):
+            load_model(bad)
     (bad / "config.json").unlink()
     with pytest.raises(FileNotFoundError, match="config.json"):
         load_model(bad)

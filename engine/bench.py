@@ -204,6 +204,8 @@ CONFIGS = {
     "lookahead W5 N4 G5": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5)),
     "lookahead W5 N4 G5 trim 2": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=2)),
     "lookahead auto": (lookahead.decode, None, {}),
+    # the paper's GPU setting: 120 window and guess rows per forward, for its tokens per forward
+    "lookahead W15 N5 G15": (lookahead.decode, None, dict(window=15, ngram=5, guesses=15)),
     "speculative L=12 K=3": (speculative.decode, speculative.SelfDraft(12), dict(num_draft=3)),
     "speculative L=20 adaptive": (speculative.decode, speculative.SelfDraft(20), dict(adaptive=True)),
 }

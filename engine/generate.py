@@ -4,15 +4,15 @@ A decoder is a generator function
     decode(models..., prompt, *, sampler, rng, max_new_tokens, knobs...) -> Iterator[Step]
 One yield is one iteration of its algorithm (one target forward, prefill included); the
 Step holds the tokens it accepted. Decoders never stop by themselves: `generate()` alone knows
-the token budget and EOS, and cuts a multi-token step exactly where either ends. Decoders
-size their caches from `max_new_tokens`, not the model's context.
+the token budget, EOS and stop strings, and cuts a multi-token step exactly where one ends.
+Decoders size their caches from `max_new_tokens`, not the model's context.
 """
 from __future__ import annotations
 
 import time
 from collections import Counter
 from dataclasses import dataclass, field
-from typing import Iterable, Iterator
+from typing import Callable, Iterable, Iterator
 
 import torch
 
@@ -68,10 +68,12 @@ def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
 
 
 def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[int] = (),
+             stop: Callable[[list[int]], bool] | None = None,
              stats: Stats | None = None) -> Iterator[int]:
-    """Stream tokens from a decoder until the budget or an EOS (which is yielded, then stops)."""
+    """Stream tokens from a decoder until the budget, an EOS, or `stop(new tokens so far)` is
+    true (a stop string's text is complete). The EOS or stopping token is yielded, then it ends."""
     stats = stats if stats is not None else Stats()
-    eos, n, t0 = set(eos_ids), 0, time.perf_counter()
+    eos, out, t0 = set(eos_ids), [], time.perf_counter()
     if max_new_tokens <= 0:
         return
     for i, step in enumerate(steps):
@@ -84,17 +86,17 @@ def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[in
         stats.drafted += step.drafted
         stats.accepted += step.accepted
         stats.hits += step.accepted > 0
-        take = step.tokens[:max_new_tokens - n]
+        take, ended = step.tokens[:max_new_tokens - len(out)], False
         for j, x in enumerate(take):
-            if x in eos:
-                take = take[:j + 1]
+            if x in eos or (stop is not None and stop(out + take[:j + 1])):
+                take, ended = take[:j + 1], True
                 break
         stats.step_lengths[len(take)] += 1
         stats.n_tokens += len(take)
         if i == 0:
             stats.first_step_tokens = len(take)
-        n += len(take)
+        out += take
         yield from take
-        if n >= max_new_tokens or (take and take[-1] in eos):
+        if ended or len(out) >= max_new_tokens:
             return
         t0 = time.perf_counter()

@@ -58,6 +58,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--raw", action="store_true", help="do not apply the chat template")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end once the output contains TEXT, which is not printed (repeatable)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
     p.add_argument("--top-k", type=int, default=0, help="0 = off")
     p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
@@ -120,6 +122,8 @@ def run(args) -> dict:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
     if args.device.startswith("cuda") and not torch.cuda.is_available():
         raise ValueError(f"--device {args.device}: CUDA is not available here")
+    if "" in args.stop:
+        raise ValueError("--stop '' would stop before the first token")
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
@@ -141,15 +145,22 @@ def run(args) -> dict:
     decode, knobs = DECODERS[args.decoder]
     steps = decode(model, *models(args), prompt, sampler=sampler, rng=Random(args.seed),
                    max_new_tokens=args.max_new_tokens, **knobs(args))
+    stop = (lambda ids: any(s in tok.decode(ids) for s in args.stop)) if args.stop else None
     stats, out, stream, t0 = Stats(), [], StreamDecoder(tok), time.perf_counter()
-    for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids, stats=stats):
+    streamed, shown = "", 0
+    for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids, stop=stop,
+                      stats=stats):
         out.append(x)
         if not args.json and x not in tok.eos_ids:
-            print(stream.push(x), end="", flush=True)
+            streamed += stream.push(x)
+            sure = before_stop(streamed, args.stop, final=False)
+            print(sure[shown:], end="", flush=True)
+            shown = len(sure)
     seconds = time.perf_counter() - t0
     if not args.json:
-        print(stream.flush())
-    return {"decoder": args.decoder, "text": tok.decode([x for x in out if x not in tok.eos_ids]),
+        print(before_stop(streamed + stream.flush(), args.stop)[shown:])
+    text = before_stop(tok.decode([x for x in out if x not in tok.eos_ids]), args.stop)
+    return {"decoder": args.decoder, "text": text,
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
             "tokens_per_second": stats.n_tokens / seconds, "prefill_seconds": stats.prefill_seconds,
@@ -158,6 +169,18 @@ def run(args) -> dict:
             "hit_rate": stats.hits / stats.n_forwards if stats.drafted else None,
             "step_lengths": dict(sorted(stats.step_lengths.items())),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb()}
+
+
+def before_stop(text: str, stops: list[str], final: bool = True) -> str:
+    """`text` up to the first stop string; unless final, also less a tail that may begin one.
+
+    Example: stops ["\n\nQ:"]: "A.\n\nQ: x" -> "A."; "A.\n" -> "A." until more text comes.
+    """
+    text = text[:min((text.find(s) for s in stops if s in text), default=len(text))]
+    if final:
+        return text
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - hold]
 
 
 def peak_rss_mb(reset: bool = False) -> float:

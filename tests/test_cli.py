@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.run import main
+from engine.run import before_stop, main
 from engine.weights import DEFAULT_CHECKPOINT
 
 real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
@@ -20,6 +20,7 @@ real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt", "hi"], "not a directory"),
     (["--device", "cuda:0", "--prompt", "hi"], "CUDA"),
     (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
+    (["--stop", "", "--prompt", "hi"], "--stop"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -81,3 +82,29 @@ def test_streamed_text_equals_the_json_text(capsys):
     assert main(argv) == 0
     streamed = capsys.readouterr().out
     assert streamed.rstrip("\n") == run_json(argv, capsys)["text"]
+
+
+@pytest.mark.parametrize("text,final,want", [
+    ("A.\n\nQ: more", True, "A."),        # cut before the stop string
+    ("A.\n\nQ: more", False, "A."),
+    ("A.\n\n", False, "A."),              # a tail that may begin the stop string waits
+    ("A.\n\n", True, "A.\n\n"),          # at the end it was not a stop string after all
+    ("A.\nB", False, "A.\nB"),
+    ("x Q: y", False, "x Q: y"),            # only the whole string stops
+])
+def test_text_before_a_stop_string(text, final, want):
+    assert before_stop(text, ["\n\nQ:", "STOP"], final) == want
+
+
+@real
+@pytest.mark.parametrize("decoder", ["plain", "lookahead"])
+def test_stop_string_ends_the_answer_before_it(decoder, capsys):
+    # Why: "--stop" is how a user ends an answer at a marker; the text must end just before it,
+    # streamed or not, and every greedy decoder must stop on the same token.
+    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20",
+            "--decoder", decoder, "--stop", "Paris", "--stop", "never seen"]
+    out = run_json(argv, capsys)
+    assert out["text"] == "The capital of France is "
+    assert out["n_tokens"] == 6                # "Paris" completes on token 6 of 7 (+ EOS)
+    assert main(argv) == 0
+    assert capsys.readouterr().out == "The capital of France is \n"

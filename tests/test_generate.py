@@ -20,6 +20,18 @@ def test_eos_inside_a_step_is_emitted_and_ends_generation():
     assert (stats.n_tokens, stats.n_forwards, dict(stats.step_lengths)) == (4, 2, {2: 2})
 
 
+def test_stop_inside_a_step_is_emitted_and_ends_generation():
+    # a stop string can complete on any token of a multi-token step, as an EOS can; the
+    # predicate sees every new token so far, so a stop spanning two steps is caught too
+    seen = []
+    def stop(ids):
+        seen.append(list(ids))
+        return ids[-2:] == [3, 4]
+    out = list(generate(steps([1, 3], [4, 5], [6]), max_new_tokens=10, stop=stop))
+    assert out == [1, 3, 4]
+    assert seen == [[1], [1, 3], [1, 3, 4]]
+
+
 def test_stats_count_forwards_drafts_and_step_lengths():
     stats = Stats()
     list(generate(steps([1], [2, 3, 4], [5, 6]), max_new_tokens=6, stats=stats))

@@ -31,7 +31,7 @@ test: weights
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
-# the k-row forward cost against nn.Linear (bench-out/forward-cost.png), the roof, peak memory.
+# the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*).
 bench: weights
 	$(PY) -m engine.bench
 	$(PY) -m engine.bench --forward-cost --naive --roof --memory --repeats 5

@@ -483,7 +483,6 @@ def run(args: argparse.Namespace) -> dict:
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
         result["hf"] = hf_reference(args.hf_python, args.checkpoint, prompts, args.max_new_tokens)
-        result["command"] = "python -m engine.bench " + " ".join(sys.argv[1:])
     if args.roof:
         result["roof"], result["plain_decode"] = roof_and_decode(engine, args)
     return result
@@ -499,8 +498,11 @@ def print_table(result: dict, out: Path) -> None:
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")
-    if "forward_cost" in result:
+    if "forward_cost" in result or "roof" in result or "memory" in result:
         out.mkdir(parents=True, exist_ok=True)
+        write_atomic(out / "forward-cost.json", json.dumps(result, indent=1).encode())
+        print(f"written: {out}/forward-cost.json")
+    if "forward_cost" in result:
         plot_cost(result["forward_cost"], out / "forward-cost.png")
         print(f"written: {out}/forward-cost.png")
     for name, rows in result.get("forward_cost", {}).items():
@@ -527,6 +529,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"engine.bench: error: {e}", file=sys.stderr)
         return 2
+    result["command"] = "python -m engine.bench " + " ".join(sys.argv[1:] if argv is None else argv)
     if args.json:
         print(json.dumps(result))
     else:

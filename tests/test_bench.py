@@ -63,3 +63,14 @@ def test_cost_plot_is_written_whole(tmp_path):
     cost = {"engine": {1: {"ms": 30.0}, 8: {"ms": 33.0}}, "naive": {"1": {"ms": 50.0}, "8": {"ms": 70.0}}}
     plot_cost(cost, tmp_path / "c.png")                     # int keys live, str keys from JSON
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG" and len(list(tmp_path.iterdir())) == 1
+
+
+def test_forward_cost_run_writes_its_json_plot_and_command(tmp_path, capsys):
+    # why: `make bench` prints tables; the JSON and the plot it leaves are what docs/ keeps
+    from engine.bench import main
+    argv = ["--forward-cost", "--random-weights", "--ks", "1,2", "--repeats", "1", "--out", str(tmp_path)]
+    assert main(argv) == 0
+    saved = json.loads((tmp_path / "forward-cost.json").read_text())
+    assert set(saved["forward_cost"]["engine"]) == {"1", "2"}
+    assert saved["command"] == "python -m engine.bench " + " ".join(argv)
+    assert (tmp_path / "forward-cost.png").stat().st_size > 0

@@ -203,6 +203,9 @@ CONFIGS = {
     "lookahead W3 N4 G3": (lookahead.decode, None, dict(window=3, ngram=4, guesses=3)),
     "lookahead W5 N4 G5": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5)),
     "lookahead W5 N4 G5 trim 2": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=2)),
+    "lookahead W5 N4 G5 trim 8": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=8)),
+    "lookahead W5 N4 G5 trim 16": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=16)),
+    "lookahead W5 N4 G5 trim 30": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=30)),
     "lookahead auto": (lookahead.decode, None, {}),
     # the paper's GPU setting: 120 window and guess rows per forward, for its tokens per forward
     "lookahead W15 N5 G15": (lookahead.decode, None, dict(window=15, ngram=5, guesses=15)),

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import shlex
 import statistics
 import sys
 import time
@@ -532,7 +533,7 @@ def main(argv: list[str] | None = None) -> int:
     except (FileNotFoundError, ValueError) as e:
         print(f"engine.bench: error: {e}", file=sys.stderr)
         return 2
-    result["command"] = "python -m engine.bench " + " ".join(sys.argv[1:] if argv is None else argv)
+    result["command"] = "python -m engine.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.json:
         print(json.dumps(result))
     else:

@@ -1,5 +1,6 @@
 """The benchmark's CLI contract and its measurements' bookkeeping."""
 import json
+import shlex
 
 import pytest
 
@@ -72,5 +73,5 @@ def test_forward_cost_run_writes_its_json_plot_and_command(tmp_path, capsys):
     assert main(argv) == 0
     saved = json.loads((tmp_path / "forward-cost.json").read_text())
     assert set(saved["forward_cost"]["engine"]) == {"1", "2"}
-    assert saved["command"] == "python -m engine.bench " + " ".join(argv)
+    assert saved["command"] == "python -m engine.bench " + shlex.join(argv)
     assert (tmp_path / "forward-cost.png").stat().st_size > 0

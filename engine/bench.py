@@ -29,7 +29,7 @@ from engine import lookahead, speculative
 from engine.generate import Stats, Step, generate, plain
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
-from engine.packed import prepack
+from engine.packed import prepack, quantize_int4
 from engine.run import DTYPES, Parser, write_atomic
 from engine.sampling import Random, Sampler
 
@@ -419,6 +419,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="SmolLM2-135M shapes with random weights (forward cost without a checkpoint)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--int4", action="store_true",
+                   help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
     p.add_argument("--ks", default=",".join(map(str, KS)), help="comma-separated row counts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="for --roof's plain decode")
@@ -447,6 +449,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
             p.error(f"--{name.replace('_', '-')} must be >= 1")
     if args.threads < 0:
         p.error("--threads must be >= 0")
+    if args.int4 and (args.dtype != "bfloat16" or args.naive or args.roof or args.memory):
+        p.error("--int4 needs --dtype bfloat16, and has no --naive, --roof or --memory figures")
     if args.memory and args.random_weights:
         p.error("--memory runs the decoders on a real --checkpoint")
     if args.roof and args.random_weights:
@@ -467,12 +471,14 @@ def run(args: argparse.Namespace) -> dict:
     result = {"device": str(args.device), "dtype": args.dtype, "threads": torch.get_num_threads()}
     if args.random_weights:
         progress("building a random SmolLM2-135M-shaped model")
-        model = random_model(device=args.device, dtype=dtype)
+        model = random_model(device=args.device, dtype=torch.float32 if args.int4 else dtype)
     else:
         from engine.weights import load_model
         progress(f"loading {args.checkpoint}")
-        model = load_model(args.checkpoint, args.device, dtype)
+        model = load_model(args.checkpoint, args.device, torch.float32 if args.int4 else dtype)
         result["checkpoint"] = str(args.checkpoint)
+    if args.int4:
+        model = quantize_int4(model)                # from fp32, so Q4_1 grids come back exactly
     naive = twin(model) if args.naive else None
     engine = prepack(model)  # the engine's default linear path (nn.Linear where it cannot pack)
     result["linear"] = type(engine.layers[0].attention.wqkv).__name__

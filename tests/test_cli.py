@@ -21,6 +21,7 @@ real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
     (["--device", "cuda:0", "--prompt", "hi"], "CUDA"),
     (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
     (["--stop", "", "--prompt", "hi"], "--stop"),
+    (["--int4", "--prompt", "hi"], "bfloat16"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -54,6 +55,14 @@ def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
     out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20"], capsys)
     assert out["text"] == "The capital of France is Paris."
     assert out["n_tokens"] == out["n_forwards"] == 8   # 7 tokens + <|im_end|>
+
+
+@real
+def test_int4_answers_as_fp32_does(capsys):
+    # Why: --int4 trades exactness for speed; on this prompt it must still give fp32's answer.
+    out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20",
+                    "--int4", "--dtype", "bfloat16"], capsys)
+    assert out["text"] == "The capital of France is Paris."
 
 
 PROMPT = "Write a Python function that reverses a string."

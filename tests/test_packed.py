@@ -58,3 +58,59 @@ def test_one_row_kernel_rounds_differently_so_the_padding_is_needed():
     x = torch.randn(1, 8, 1536, generator=g)
     full = lin(x)
     assert any(not torch.equal(lin(x[:, t:t + 1]), full[:, t:t + 1]) for t in range(8))
+
+
+# --------------------------------------------------------------------------- int4
+
+def q4_weights(out=64, n=96, seed=0):
+    """Weights on Q4_1 grids, as the shipped checkpoint's layers are: w = d q + m per 32."""
+    g = torch.Generator().manual_seed(seed)
+    q = torch.randint(0, 16, (out, n), generator=g)
+    q[:, ::32], q[:, 1::32] = 0, 15            # the quantizer maps each group's min to 0, max to 15
+    d = (torch.rand(out, n // 32, generator=g) * 0.02).half().float()       # fp16, as GGUF keeps
+    m = (-torch.rand(out, n // 32, generator=g) * 0.1).half().float()
+    w = q.view(out, -1, 32) * d[..., None] + m[..., None]
+    return w.view(out, n), q, d, m
+
+
+def test_q4_groups_give_back_the_codes_of_q4_1_weights():
+    # why: the int4 path claims the shipped layers lose nothing to re-quantization
+    w, q, d, m = q4_weights()
+    q2, d2, m2 = packed.q4_groups(w)
+    assert torch.equal(q2, q.int())
+    torch.testing.assert_close(d2, d, rtol=1e-6, atol=0)
+    assert torch.equal(m2, m)
+
+
+@pytest.mark.parametrize("out,n", [(64, 96), (48, 32)])
+def test_int4_linear_is_the_dequantized_matmul_in_bf16(out, n):
+    # why: the kernel's (q - 8) * scale + zero form must be Q4_1's d q + m, up to bf16 rounding
+    w, *_ = q4_weights(out, n)
+    x = torch.randn(3, 5, n)
+    y = packed.Int4Linear(w)(x)
+    assert y.shape == (3, 5, out) and y.dtype == torch.bfloat16
+    ref = x.bfloat16().float() @ w.t()
+    torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
+
+
+def test_int4_model_follows_the_fp32_model():
+    # why: --int4 is an approximation; it must stay close to the model it approximates
+    from engine.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64)
+    torch.manual_seed(0)
+    model = Llama(cfg).float().requires_grad_(False)
+    tokens, pos = torch.randint(0, 64, (1, 9)), torch.arange(9)
+    ref = model(tokens, pos)
+    q = packed.quantize_int4(model)
+    assert isinstance(q.layers[1].feed_forward.w2, packed.Int4Linear)
+    assert q.tok_embeddings.weight.dtype == torch.bfloat16
+    got = q(tokens, pos, KVCache.for_model(q, 9))
+    assert (got - ref).abs().max() < 0.1 * ref.abs().max()
+    assert (got.argmax(-1) == ref.argmax(-1)).float().mean() > 0.8
+
+
+def test_int4_refuses_what_it_cannot_pack():
+    with pytest.raises(ValueError, match="in % 32"):
+        packed.Int4Linear(torch.randn(64, 48))
+    with pytest.raises(ValueError, match="float32"):
+        packed.quantize_int4(tiny_llama(0))    # float64

@@ -116,7 +116,7 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         pending = out[-1:]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _amateur(expert: Llama, amateur: Llama | int, cache: KVCache, a_cache: KVCache | None,
              tokens: Tensor) -> tuple[Tensor | None, Tensor]:
     """Feed tokens (1, T) to the amateur: (its layer-L states (1, T, C) or None, last logits (V,))."""
@@ -128,7 +128,7 @@ def _amateur(expert: Llama, amateur: Llama | int, cache: KVCache, a_cache: KVCac
     return h, expert.head(h[:, -1:])[0, -1]
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def _expert(expert: Llama, amateur: Llama | int, cache: KVCache, tokens: Tensor,
             hs: list, start: int, rows: int) -> Tensor:
     """Logits (rows, V) of the last rows of tokens (1, T), written at cache slots [start, +T)."""

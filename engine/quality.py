@@ -91,7 +91,7 @@ def ngram_entropy(tokens: list[int], n: int = 2) -> float:
     return -sum(c / N * math.log2(c / N) for c in counts.values()) if N else 0.0
 
 
-@torch.no_grad()
+@torch.inference_mode()
 def perplexity(model: Llama, prompt: list[int], output: list[int]) -> float:
     """exp(-1/n sum_i log p(output_i | prompt, output_<i)), temperature 1, one forward."""
     if not prompt or not output:

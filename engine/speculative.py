@@ -68,11 +68,11 @@ class _Early:
         self.hidden.append(x)
         return x
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
         return self.target.head(self._lower(tokens, positions)[:, -1:])[0, -1]      # (V,)
 
-    @torch.no_grad()
+    @torch.inference_mode()
     def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
         fed = sum(x.shape[1] for x in self.hidden)
         if fed < tokens.shape[1]:                     # the last draft has no layer-L state yet

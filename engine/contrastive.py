@@ -7,7 +7,8 @@ Yuan et al. 2023 (arXiv 2311.08981). Not contrastive *search*, which is another 
 
 The amateur is a second Llama with the expert's vocabulary, or an int L: the expert's own
 first L layers read out through its final norm and LM head (an early exit), taken from the
-expert's forward itself, so it costs one more LM-head row per token and nothing else.
+expert's forward itself, so it costs one more LM-head row per token and nothing else. Either
+way it is the draft of an `engine/draft.py` pair, and the expert its target.
 
 But: no beam search (the authors' default), one amateur, batch size 1.
 """
@@ -19,8 +20,8 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
+from engine.draft import pair_for
 from engine.generate import Step
-from engine.kvcache import KVCache
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_rejection
 
@@ -61,81 +62,48 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
            num_draft: int = 4) -> Iterator[Step]:
     """Contrastive decoding; with `speculative`, the amateur drafts K = num_draft tokens.
 
-        pending = prompt; K = num_draft if speculative else 0
+        seq = prompt; K = num_draft if speculative else 0
         loop:                                              # one expert forward per iteration
-            t = length of prefix + pending                 # position of the first new token
-            for i in 0..K:  a_i = amateur(prefix, pending, d_<i)[-1]
+            t = len(seq)                                   # position of the first new token
+            for i in 0..K:  a_i = amateur(seq + d_<i)[-1]
                             if i < K: d_i ~ q_i = probs(a_i) with key ("draft", t + i)
-            e_0..e_K = expert(prefix, pending + d_0..d_K-1)[-K-1:]
+            e_0..e_K = expert(seq + d_0..d_K-1)[-K-1:]
             p_i = probs(scores(e_i, a_i))                  # the contrastive law at t + i
             out = verify_rejection(p, q, d, rng, t)        # K = 0: x ~ p_0, key ("token", t)
-            truncate caches to t + len(out) - 1; yield out; pending = out[-1:]
+            truncate caches to t + len(out) - 1; seq += out; yield out
     Tokens follow p_CD = probs(scores(expert, amateur)) exactly, drafts or not: rejection
     sampling keeps the target law for any q (here the sampler on the raw amateur logits), and
     a_i is the amateur at the very position e_i verifies. With an early-exit amateur, drafting
     runs layers < L and the verifying pass resumes at L on the same states: layers < L see
     only tokens, so their K/V and states are what a full forward would compute.
     """
-    early = isinstance(amateur, int)
-    if early and not 0 <= amateur < expert.config.n_layers:
+    if isinstance(amateur, int) and not 0 <= amateur < expert.config.n_layers:
         raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur}")
-    if not early and amateur.config.vocab_size != expert.config.vocab_size:
-        raise ValueError(f"amateur vocab {amateur.config.vocab_size} != expert vocab "
-                         f"{expert.config.vocab_size}")
     scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs
     if speculative and num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     K = num_draft if speculative else 0
-    capacity = len(prompt) + max_new_tokens + K
-    cache = KVCache.for_model(expert, capacity)
-    a_cache = None if early else KVCache.for_model(amateur, capacity)
+    pair = pair_for(expert, amateur, len(prompt) + max_new_tokens + K)   # amateur = the draft
     device = expert.tok_embeddings.weight.device
-    pending = list(prompt)
+    as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
+    seq = list(prompt)
     while True:
-        start = cache.length
-        t = start + len(pending)
-        feed, drafts, hs, a_rows, q_rows = pending, [], [], [], []
+        t = len(seq)                                            # position of the first new token
+        feed, drafts, a_rows, q_rows = seq[pair.draft_seen:], [], [], []
         # subtle: pass K feeds d_K-1 only for a_K, the amateur row the bonus position needs
         for i in range(K + 1):
-            h, a = _amateur(expert, amateur, cache, a_cache, torch.tensor([feed], device=device))
-            hs.append(h)
-            a_rows.append(a)                                                # (V,)
+            positions = torch.arange(t + i - len(feed), t + i, device=device)
+            a_rows.append(pair.propose(as_tensor(feed), positions))                # (V,)
             if i < K:
-                q_rows.append(sampler.probs(a))                             # (V,) float64
+                q_rows.append(sampler.probs(a_rows[-1]))                    # (V,) float64
                 drafts.append(rng.categorical(q_rows[-1], "draft", t + i))
                 feed = drafts[-1:]
-        tokens = torch.tensor([pending + drafts], device=device)           # (1, T)
-        e = _expert(expert, amateur, cache, tokens, hs, start, K + 1)       # (K+1, V)
+        start = pair.target_seen
+        e = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, t + K, device=device),
+                        K + 1)                                              # (K+1, V)
         p = sampler.probs(scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature))
         q = torch.stack(q_rows) if K else p[:0]                             # (K, V)
         out = verify_rejection(p, q, drafts, rng, t)
-        for c in (cache, a_cache):
-            if c is not None:
-                c.truncate(t + len(out) - 1)                                # keep accepted drafts
+        pair.rollback(t + len(out) - 1)                                     # keep accepted drafts
+        seq += out
         yield Step(out, drafted=K, accepted=len(out) - 1)
-        pending = out[-1:]
-
-
-@torch.inference_mode()
-def _amateur(expert: Llama, amateur: Llama | int, cache: KVCache, a_cache: KVCache | None,
-             tokens: Tensor) -> tuple[Tensor | None, Tensor]:
-    """Feed tokens (1, T) to the amateur: (its layer-L states (1, T, C) or None, last logits (V,))."""
-    c = cache if isinstance(amateur, int) else a_cache
-    positions = torch.arange(c.length, c.length + tokens.shape[1], device=tokens.device)
-    if not isinstance(amateur, int):
-        return None, amateur(tokens, positions, c, keep=[-1])[0, -1]
-    h = expert.lower(tokens, positions, cache, amateur)                  # (1, T, C)
-    return h, expert.head(h[:, -1:])[0, -1]
-
-
-@torch.inference_mode()
-def _expert(expert: Llama, amateur: Llama | int, cache: KVCache, tokens: Tensor,
-            hs: list, start: int, rows: int) -> Tensor:
-    """Logits (rows, V) of the last rows of tokens (1, T), written at cache slots [start, +T)."""
-    T = tokens.shape[1]
-    positions = torch.arange(start, start + T, device=tokens.device)
-    if not isinstance(amateur, int):
-        return expert(tokens, positions, cache, keep=torch.arange(T - rows, T))[0]
-    # early exit: the drafting pass already ran layers < L on these T rows; resume at L
-    x = expert.upper(torch.cat(hs, 1), positions, cache, start, amateur)  # (1, T, C)
-    return expert.head(x[:, T - rows:])[0]

@@ -6,7 +6,7 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   keeps drafts while its own draw agrees (Daliri et al. 2024, arXiv 2408.07978): the output is
   plain sampling's with the same seed, token for token, whatever the draft.
 The draft is another Llama with the target's vocab, or `SelfDraft(L)`: the target's layers [0, L)
-+ its norm and head (an early exit), sharing the target's weights and KV cache.
++ its norm and head (an early exit), sharing the target's weights and KV cache (engine/draft.py).
 But: batch size 1, one chain of drafts (no trees), no drafts with another tokenizer.
 """
 from __future__ import annotations
@@ -16,10 +16,9 @@ from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
-from torch import Tensor
 
+from engine.draft import pair_for
 from engine.generate import Step
-from engine.kvcache import KVCache
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
 
@@ -27,63 +26,6 @@ from engine.sampling import Random, Sampler, verify_match, verify_rejection
 @dataclass(frozen=True)
 class SelfDraft:
     layers: int   # the draft is the target's layers [0, layers), then its final norm and LM head
-
-
-class _Separate:
-    """A draft Llama with its own cache; the target verifies with one ordinary forward."""
-
-    def __init__(self, target: Llama, draft: Llama, capacity: int):
-        self.target, self.draft = target, draft
-        self.tcache, self.dcache = KVCache.for_model(target, capacity), KVCache.for_model(draft, capacity)
-
-    target_seen = property(lambda self: self.tcache.length)   # slots the target has in cache
-    draft_seen = property(lambda self: self.dcache.length)
-
-    def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        return self.draft(tokens, positions, self.dcache, keep=[-1])[0, -1]           # (V,)
-
-    def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
-        return self.target(tokens, positions, self.tcache, keep=torch.arange(-rows, 0))[0]  # (K+1, V)
-
-    def rollback(self, n: int) -> None:
-        self.tcache.truncate(n)
-        self.dcache.truncate(min(n, self.dcache.length))  # the last draft was never fed to it
-
-
-class _Early:
-    """Self-draft. Layer i's K/V depend only on layers < i, so the draft's K/V of layers < L *are*
-    the target's: both share one cache, and the target's verify resumes from the draft's layer-L
-    residual stream, computing only layers [L, n_layers) for the K+1 rows. Exact up to rounding:
-    layers < L run in T=1 pieces, as in plain decoding, instead of one T=K+1 batch."""
-
-    def __init__(self, target: Llama, L: int, capacity: int):
-        self.target, self.L, self.cache = target, L, KVCache.for_model(target, capacity)
-        self.base, self.hidden = 0, []    # slots whose every layer is valid; layer-L x since then
-
-    target_seen = property(lambda self: self.base)
-    draft_seen = property(lambda self: self.cache.length)
-
-    def _lower(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        x = self.target.lower(tokens, positions, self.cache, self.L)               # (1, T, C)
-        self.hidden.append(x)
-        return x
-
-    @torch.inference_mode()
-    def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        return self.target.head(self._lower(tokens, positions)[:, -1:])[0, -1]      # (V,)
-
-    @torch.inference_mode()
-    def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
-        fed = sum(x.shape[1] for x in self.hidden)
-        if fed < tokens.shape[1]:                     # the last draft has no layer-L state yet
-            self._lower(tokens[:, fed:], positions[fed:])
-        x, self.hidden = torch.cat(self.hidden, 1), []                             # (1, T, C)
-        x = self.target.upper(x, positions, self.cache, self.base, self.L)         # (1, T, C)
-        return self.target.head(x[:, -rows:])[0]                                   # (K+1, V)
-
-    def rollback(self, n: int) -> None:
-        self.cache.truncate(n)
-        self.base = n
 
 
 def best_k(alpha: float, c_draft: float, c_target: float, max_k: int) -> int:
@@ -138,15 +80,9 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         raise ValueError(f"need num_draft >= 0, max_draft >= 1; got {num_draft}, {max_draft}")
     capacity = len(prompt) + max_new_tokens + max(num_draft, max_draft if adaptive else 0) + 1
     V, L = target.config.vocab_size, target.config.n_layers
-    if isinstance(draft, SelfDraft):
-        if not 1 <= draft.layers <= L:
-            raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
-        pair = _Early(target, draft.layers, capacity)
-    elif draft.config.vocab_size != V:
-        raise ValueError(f"draft vocab {draft.config.vocab_size} != target vocab {V}: "
-                         "drafts must be target token ids")
-    else:
-        pair = _Separate(target, draft, capacity)
+    if isinstance(draft, SelfDraft) and not 1 <= draft.layers <= L:
+        raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
+    pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity)
     tuner = _Tuner(max(num_draft, 1), max_draft) if adaptive else None
     device = target.tok_embeddings.weight.device
     as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)

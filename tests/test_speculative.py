@@ -9,6 +9,7 @@ from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
 from engine import speculative
+from engine.draft import Separate
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler
@@ -221,9 +222,9 @@ def keep_one_stale_slot(self, n):                        # the first rejected dr
 
 MUTANTS = {
     "accept without comparing": ("verify_rejection", accept_blindly),
-    "draft cache not truncated": ("_Separate.rollback", forget_draft_rollback),
-    "truncate one slot too late": ("_Separate.rollback", keep_one_stale_slot),
-    "verify rows off by one": ("_Separate.verify", lambda self, tokens, positions, rows: self.target(
+    "draft cache not truncated": ("Separate.rollback", forget_draft_rollback),
+    "truncate one slot too late": ("Separate.rollback", keep_one_stale_slot),
+    "verify rows off by one": ("Separate.verify", lambda self, tokens, positions, rows: self.target(
         tokens, positions, self.tcache, keep=torch.arange(-rows - 1, -1))[0]),
 }
 
@@ -239,6 +240,6 @@ def caught(*case):
 def test_greedy_equality_catches_broken_variants(mutant, monkeypatch):
     # Why: a property that a wrong decoder also passes proves nothing.
     name, fake = MUTANTS[mutant]
-    owner = speculative._Separate if "." in name else speculative
+    owner = Separate if "." in name else speculative
     monkeypatch.setattr(owner, name.split(".")[-1], fake)
     assert any(caught(kind, seed, 4, 3, 12) for kind in ("other", "near") for seed in range(4))

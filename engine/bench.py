@@ -21,6 +21,7 @@ import shlex
 import statistics
 import sys
 import time
+from typing import Callable
 from pathlib import Path
 
 import torch
@@ -249,7 +250,8 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
             for i, prompt in enumerate(plist):
                 for name, config in configs.items():
                     progress(f"bench [{len(runs) + 1}/{total}] {name} | {cat} {i}")
-                    runs[name, cat, i, r] = decode_once(model, prompt, config, max_new_tokens, eos_ids)
+                    runs[name, cat, i, r] = (config(prompt) if callable(config)   # HF's generate
+                                             else decode_once(model, prompt, config, max_new_tokens, eos_ids))
     out = {}
     for name in configs:
         rows = {}
@@ -287,34 +289,45 @@ def bench_prompts(checkpoint: Path, quick: bool) -> tuple[dict[str, list[list[in
     return {cat: [enc(t) for t in ts[:1 if quick else None]] for cat, ts in texts.items()}, tok.eos_ids
 
 
-def hf_reference(python: str, checkpoint: Path, prompts: dict, max_new_tokens: int) -> dict | None:
-    """HF transformers' greedy generate on the same checkpoint and prompts, in `python`, if it has it."""
+HF_SCRIPT = (  # one greedy generate per stdin line [prompt ids, budget] -> [new ids, seconds]
+    "import json, sys, time, torch\n"
+    "from transformers import AutoModelForCausalLM\n"
+    "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+    "print(json.dumps(__import__('transformers').__version__), flush=True)\n"
+    "for line in sys.stdin:\n"
+    "    p, n = json.loads(line)\n"
+    "    t0 = time.perf_counter()\n"
+    "    y = m.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):]\n"
+    "    print(json.dumps([y.tolist(), time.perf_counter() - t0]), flush=True)\n")
+
+
+def hf_reference(python: str, checkpoint: Path, max_new_tokens: int) -> tuple[str, Callable] | None:
+    """HF transformers' greedy `generate` on the same checkpoint, as one more config: a child
+    `python` answers one prompt at a time, so its runs interleave with the engine's and its
+    tokens are checked against plain's. None if that python lacks transformers."""
     import subprocess
-    script = (
-        "import json, sys, time, torch\n"
-        "from transformers import AutoModelForCausalLM\n"
-        "a = json.loads(sys.stdin.read())\n"
-        "m = AutoModelForCausalLM.from_pretrained(a['ckpt'], dtype=torch.float32).eval()\n"
-        "out = {}\n"
-        "for cat, ps in a['prompts'].items():\n"
-        "    rates = []\n"
-        "    for p in ps:\n"
-        "        ids = torch.tensor([p]); t0 = time.perf_counter()\n"
-        "        y = m.generate(ids, max_new_tokens=a['n'], do_sample=False)\n"
-        "        rates.append((y.shape[1] - ids.shape[1]) / (time.perf_counter() - t0))\n"
-        "    out[cat] = sorted(rates)[len(rates) // 2]\n"
-        "print(json.dumps({'version': __import__('transformers').__version__, 'tok_s': out}))\n")
+    import tempfile
     progress(f"HF transformers reference with {python}")
-    arg = json.dumps({"ckpt": str(checkpoint), "prompts": prompts, "n": max_new_tokens})
+    err = tempfile.TemporaryFile(mode="w+")
     try:
-        r = subprocess.run([python, "-c", script], input=arg, capture_output=True, text=True)
+        child = subprocess.Popen([python, "-c", HF_SCRIPT, str(checkpoint)], stdin=subprocess.PIPE,
+                                 stdout=subprocess.PIPE, stderr=err, text=True)
     except OSError as e:                                  # no such interpreter: no reference
         progress(f"HF reference skipped: {e}")
         return None
-    if r.returncode != 0:
-        progress(f"HF reference skipped: {r.stderr.strip().splitlines()[-1] if r.stderr.strip() else r.returncode}")
+    version = child.stdout.readline()
+    if not version:
+        err.seek(0)
+        progress(f"HF reference skipped: {(err.read().strip().splitlines() or ['no output'])[-1]}")
         return None
-    return json.loads(r.stdout.strip().splitlines()[-1])
+
+    def run(prompt: list[int]) -> dict:
+        child.stdin.write(json.dumps([prompt, max_new_tokens]) + "\n")
+        child.stdin.flush()
+        tokens, seconds = json.loads(child.stdout.readline())
+        return {"tokens": tokens, "tok_s": len(tokens) / seconds, "forwards": len(tokens),
+                "drafted": [], "accepted": []}
+    return f"HF transformers {json.loads(version)} generate", run
 
 
 def memory(checkpoint: Path, max_new_tokens: int) -> dict:
@@ -338,7 +351,7 @@ def memory(checkpoint: Path, max_new_tokens: int) -> dict:
     return out
 
 
-def markdown(table: dict, hf: dict | None) -> str:
+def markdown(table: dict) -> str:
     cats = list(next(iter(table.values())))
     head = "| config | " + " | ".join(f"{c} tok/s (speedup, tok/fwd)" for c in cats) + " | same tokens |"
     lines = [head, "|" + "---|" * (len(cats) + 2)]
@@ -347,9 +360,6 @@ def markdown(table: dict, hf: dict | None) -> str:
                  for c in cats]
         same = min(rows[c]["same_tokens_as_plain"] for c in cats)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {same:.0%} |")
-    if hf:
-        lines.append(f"| HF transformers {hf['version']} generate | "
-                     + " | ".join(f"{hf['tok_s'][c]:.1f}" for c in cats) + " | - |")
     return "\n".join(lines) + "\n"
 
 
@@ -491,8 +501,10 @@ def run(args: argparse.Namespace) -> dict:
     if not (args.forward_cost or args.roof or args.memory):
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
+        hf = hf_reference(args.hf_python, args.checkpoint, args.max_new_tokens)
+        if hf:                                       # its child ends when our stdin to it closes
+            configs[hf[0]] = hf[1]
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
-        result["hf"] = hf_reference(args.hf_python, args.checkpoint, prompts, args.max_new_tokens)
     if args.roof:
         result["roof"], result["plain_decode"] = roof_and_decode(engine, args)
     return result
@@ -502,7 +514,7 @@ def print_table(result: dict, out: Path) -> None:
     print(f"device {result['device']}, {result['dtype']}, {result['threads']} threads, "
           f"linear {result['linear']}")
     if "decoders" in result:
-        table = markdown(result["decoders"], result["hf"])
+        table = markdown(result["decoders"])
         out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "bench.md", f"`{result['command']}`\n\n{table}".encode())
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())

@@ -1,5 +1,6 @@
 """The benchmark's CLI contract and its measurements' bookkeeping."""
 import json
+from pathlib import Path
 import shlex
 
 import pytest
@@ -46,7 +47,27 @@ def test_compare_runs_every_config_and_checks_tokens_against_plain():
             assert table[name][cat]["same_tokens_as_plain"] == 1.0
     assert table["plain"]["a"]["speedup"] == 1.0 and table["plain"]["a"]["tokens_per_forward"] == 1.0
     assert table["spec"]["b"]["acceptance_by_position"]           # drafts were tried
-    assert "| lookahead W5 N4 G5 |" in markdown(table, None)
+    assert "| lookahead W5 N4 G5 |" in markdown(table)
+
+
+def test_an_outside_reference_is_one_more_row_checked_against_plain():
+    # why: HF's generate runs as a callable config, interleaved with ours; its tokens are
+    # compared too, so a reference that answers differently shows under "same tokens"
+    from engine.bench import CONFIGS, compare, hf_reference
+    from engine.generate import generate, plain
+    from engine.sampling import Random, Sampler
+    model = tiny_llama(0, vocab=8)
+
+    def reference(prompt, shift=0):
+        steps = plain(model, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=6)
+        tokens = [(t + shift) % 8 for t in generate(steps, max_new_tokens=6)]
+        return {"tokens": tokens, "tok_s": 1.0, "forwards": len(tokens), "drafted": [], "accepted": []}
+    configs = {"plain": CONFIGS["plain"], "same": reference, "other": lambda p: reference(p, 1)}
+    table = compare(model, {"a": [[1, 2, 3]]}, configs, repeats=1, max_new_tokens=6)
+    assert table["same"]["a"]["same_tokens_as_plain"] == 1.0
+    assert table["other"]["a"]["same_tokens_as_plain"] == 0.0
+    assert table["same"]["a"]["tokens_per_forward"] == 1.0
+    assert hf_reference("/nonexistent/python", Path("."), 6) is None
 
 
 @pytest.mark.parametrize("tie", [False, True])

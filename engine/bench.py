@@ -501,6 +501,10 @@ def run(args: argparse.Namespace) -> dict:
     if not (args.forward_cost or args.roof or args.memory):
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
+        if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
+            # the inexact --int4 mode as one more row: its speed, and how often it agrees
+            q = prepack(quantize_int4(load_model(args.checkpoint)))
+            configs["plain --int4"] = lambda p: decode_once(q, p, CONFIGS["plain"], args.max_new_tokens, eos)
         hf = hf_reference(args.hf_python, args.checkpoint, args.max_new_tokens)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]

@@ -90,12 +90,17 @@ def quantize_int4(model: Llama) -> Llama:
     w = model.tok_embeddings.weight
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError(f"int4 quantizes a float32 CPU model, got {w.dtype} on {w.device}")
+    swap_projections(model, Int4Linear)
+    return model.to(torch.bfloat16)
+
+
+def swap_projections(model: Llama, make) -> None:
+    """Replace every layer's bias-free nn.Linear (wqkv, wo, w13, w2) with make(its weight)."""
     for block in model.layers:
         for parent in (block.attention, block.feed_forward):
             for name, child in list(parent.named_children()):
                 if isinstance(child, nn.Linear) and child.bias is None:
-                    setattr(parent, name, Int4Linear(child.weight))
-    return model.to(torch.bfloat16)
+                    setattr(parent, name, make(child.weight))
 
 
 def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
@@ -111,11 +116,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     w = model.tok_embeddings.weight
     if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
         return model
-    for block in model.layers:
-        for parent in (block.attention, block.feed_forward):
-            for name, child in list(parent.named_children()):
-                if isinstance(child, nn.Linear) and child.bias is None:
-                    setattr(parent, name, PackedLinear(child.weight, m))
+    swap_projections(model, lambda weight: PackedLinear(weight, m))
     if not model.config.tie_embeddings:
         model.packed_head = PackedLinear(model.output.weight, m)
         del model.output                 # the packed copy replaces it, as in every layer

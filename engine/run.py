@@ -153,7 +153,10 @@ def run(args) -> dict:
     decode, knobs = DECODERS[args.decoder]
     steps = decode(model, *models(args), prompt, sampler=sampler, rng=Random(args.seed),
                    max_new_tokens=args.max_new_tokens, **knobs(args))
-    stop = (lambda ids: any(s in tok.decode(ids) for s in args.stop)) if args.stop else None
+    # a stop string that the newest token completes lies in the text of the last m tokens
+    # (m = its bytes: every token is at least one byte); one more token keeps its lead intact
+    tail = max((len(s.encode()) for s in args.stop), default=0) + 1
+    stop = (lambda ids: any(s in tok.decode(ids[-tail:]) for s in args.stop)) if args.stop else None
     stats, out, stream, t0 = Stats(), [], StreamDecoder(tok), time.perf_counter()
     streamed, shown = "", 0
     for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids, stop=stop,

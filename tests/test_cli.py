@@ -117,3 +117,12 @@ def test_stop_string_ends_the_answer_before_it(decoder, capsys):
     assert out["n_tokens"] == 6                # "Paris" completes on token 6 of 7 (+ EOS)
     assert main(argv) == 0
     assert capsys.readouterr().out == "The capital of France is \n"
+
+
+@real
+def test_a_stop_string_spanning_several_tokens_is_seen(capsys):
+    # Why: the CLI decodes only a tail of tokens per check; a stop string made of several
+    # tokens must still fall inside it (a one-token tail would miss this one).
+    out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20",
+                    "--stop", "capital of France"], capsys)
+    assert out["text"] == "The " and out["n_tokens"] == 4   # The / capital / of / France

@@ -41,9 +41,10 @@ def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, be
     """
     if form not in ("logit", "ratio"):
         raise ValueError(f"form must be 'logit' or 'ratio', got {form!r}")
-    if not 0 <= alpha <= 1 or not amateur_temperature > 0:
-        raise ValueError(f"need 0 <= alpha <= 1 and amateur_temperature > 0, "
-                         f"got {alpha} and {amateur_temperature}")
+    if not 0 <= alpha <= 1 or not beta >= 0 or not amateur_temperature > 0:
+        # beta < 0 would reward the amateur: beta = -1 decodes with the amateur alone
+        raise ValueError(f"need 0 <= alpha <= 1, beta >= 0 and amateur_temperature > 0, "
+                         f"got {alpha}, {beta} and {amateur_temperature}")
     e = expert_logits.double()                                              # (..., V)
     a = amateur_logits.double() / amateur_temperature                       # (..., V)
     if form == "ratio":

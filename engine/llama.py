@@ -206,6 +206,8 @@ class Llama(nn.Module):
             mask = causal_mask(cached, T, x.device)                        # (T, S)
         if mask is not None and mask.shape != (T, cached + T):
             raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
+        if not 0 <= trim_layers <= self.config.n_layers:
+            raise ValueError(f"trim_layers must be in [0, {self.config.n_layers}], got {trim_layers}")
         cos, sin = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
         stop = self.config.n_layers if stop is None else stop
         first_trimmed = self.config.n_layers - trim_layers

@@ -219,6 +219,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         raise ValueError("lookahead needs a prompt of at least one token")
     if W < 1 or N < 2 or G < 0:
         raise ValueError(f"need window >= 1, ngram >= 2, guesses >= 0; got {W}, {N}, {G}")
+    if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
+        raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + (N - 1) * (W + G))
     pool = Pool(G, N)

@@ -37,11 +37,15 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     (["--prompt", "hi", "--max-new-tokens", "9000"], "context"),
     (["--decoder", "speculative", "--draft", "layers:x", "--prompt", "hi"], "layers:L"),
     (["--decoder", "speculative", "--draft", "layers:99", "--prompt", "hi"], "layers"),
+    (["--decoder", "lookahead", "--trim-layers", "31", "--prompt", "hi"], "trim_layers"),
+    (["--decoder", "lookahead", "--trim-layers", "-1", "--prompt", "hi"], "trim_layers"),
+    (["--decoder", "contrastive", "--beta", "-1", "--prompt", "hi"], "beta"),
 ])
 def test_bad_input_on_the_real_checkpoint_is_one_line_and_exit_2(argv, words, capsys):
+    # refused before the first token: no half answer on stdout ahead of the error
     assert main(argv) == 2
-    err = capsys.readouterr().err
-    assert words in err and len(err.strip().splitlines()) == 1, err
+    out, err = capsys.readouterr()
+    assert out == "" and words in err and len(err.strip().splitlines()) == 1, (out, err)
 
 
 def run_json(argv, capsys):

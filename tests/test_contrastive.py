@@ -111,7 +111,8 @@ def test_broken_variants_are_caught(monkeypatch):
         return s.masked_fill(a < a.amax(-1, keepdim=True) + math.log(max(alpha, 1e-300)), -math.inf)
 
     def beta_flipped(e, a, alpha=0.1, beta=0.5, form="logit", tau=1.0):
-        return right(e, a, alpha, -beta, form, tau)
+        # (1 - beta) l_E + beta l_A / tau: the knob check refuses beta < 0, so flip by hand
+        return (1 - beta) * right(e, a, alpha, 0.0, form, tau) + beta * a.double() / tau
 
     def caught(check, *args):
         try:

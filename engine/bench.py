@@ -301,25 +301,30 @@ HF_SCRIPT = (  # one greedy generate per stdin line [prompt ids, budget] -> [new
     "    print(json.dumps([y.tolist(), time.perf_counter() - t0]), flush=True)\n")
 
 
-def hf_reference(python: str, checkpoint: Path, max_new_tokens: int) -> tuple[str, Callable] | None:
+def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
+                 required: bool = False) -> tuple[str, Callable] | None:
     """HF transformers' greedy `generate` on the same checkpoint, as one more config: a child
     `python` answers one prompt at a time, so its runs interleave with the engine's and its
-    tokens are checked against plain's. None if that python lacks transformers."""
+    tokens are checked against plain's. None if that python lacks transformers, or a
+    ValueError if `required` (a python named on the command line)."""
     import subprocess
     import tempfile
     progress(f"HF transformers reference with {python}")
     err = tempfile.TemporaryFile(mode="w+")
+
+    def skip(why: str) -> None:
+        if required:
+            raise ValueError(f"--hf-python {python}: {why}")
+        progress(f"HF reference skipped: {why}")
     try:
         child = subprocess.Popen([python, "-c", HF_SCRIPT, str(checkpoint)], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=err, text=True)
     except OSError as e:                                  # no such interpreter: no reference
-        progress(f"HF reference skipped: {e}")
-        return None
+        return skip(str(e))
     version = child.stdout.readline()
     if not version:
         err.seek(0)
-        progress(f"HF reference skipped: {(err.read().strip().splitlines() or ['no output'])[-1]}")
-        return None
+        return skip((err.read().strip().splitlines() or ["no output"])[-1])
 
     def run(prompt: list[int]) -> dict:
         child.stdin.write(json.dumps([prompt, max_new_tokens]) + "\n")
@@ -441,8 +446,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--quick", action="store_true", help="one prompt per category")
     p.add_argument("--configs", type=lambda s: s.split(","), default=None,
                    help="comma-separated subset of the decoder configs (plain is always run)")
-    p.add_argument("--hf-python", default=sys.executable,
-                   help="a python with transformers for the outside reference (skipped if it lacks it)")
+    p.add_argument("--hf-python", help="a python with transformers for the outside reference "
+                   "(default: this one, skipped if it lacks transformers; one named here must have it)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="table, JSON and plot go here")
     args = p.parse_args(argv)
     unknown = set(args.configs) - set(CONFIGS) if args.configs else set()
@@ -501,11 +506,12 @@ def run(args: argparse.Namespace) -> dict:
     if not (args.forward_cost or args.roof or args.memory):
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
+        hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
+                          required=args.hf_python is not None)
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
             # the inexact --int4 mode as one more row: its speed, and how often it agrees
             q = prepack(quantize_int4(load_model(args.checkpoint)))
             configs["plain --int4"] = lambda p: decode_once(q, p, CONFIGS["plain"], args.max_new_tokens, eos)
-        hf = hf_reference(args.hf_python, args.checkpoint, args.max_new_tokens)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)

@@ -68,6 +68,8 @@ def test_an_outside_reference_is_one_more_row_checked_against_plain():
     assert table["other"]["a"]["same_tokens_as_plain"] == 0.0
     assert table["same"]["a"]["tokens_per_forward"] == 1.0
     assert hf_reference("/nonexistent/python", Path("."), 6) is None
+    with pytest.raises(ValueError, match="--hf-python"):   # named on the command line: an error
+        hf_reference("/nonexistent/python", Path("."), 6, required=True)
 
 
 @pytest.mark.parametrize("tie", [False, True])

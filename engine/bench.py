@@ -31,7 +31,7 @@ from engine.generate import Stats, Step, generate, plain
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
 from engine.packed import prepack, quantize_int4
-from engine.run import DTYPES, Parser, write_atomic
+from engine.run import DTYPES, Parser, out_dir, write_atomic
 from engine.sampling import Random, Sampler
 
 KS = (1, 2, 4, 8, 16, 32, 64)
@@ -476,6 +476,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--device {args.device!r}: {e}")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
+    if not args.json:                  # the table, JSON and plots go to --out at the end
+        try:
+            out_dir(args.out)
+        except ValueError as e:
+            p.error(str(e))
     return args
 
 
@@ -525,13 +530,11 @@ def print_table(result: dict, out: Path) -> None:
           f"linear {result['linear']}")
     if "decoders" in result:
         table = markdown(result["decoders"])
-        out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "bench.md", f"`{result['command']}`\n\n{table}".encode())
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")
     if "forward_cost" in result or "roof" in result or "memory" in result:
-        out.mkdir(parents=True, exist_ok=True)
         write_atomic(out / "forward-cost.json", json.dumps(result, indent=1).encode())
         print(f"written: {out}/forward-cost.json")
     if "forward_cost" in result:

@@ -28,7 +28,7 @@ import torch
 from engine import contrastive
 from engine.generate import generate, plain
 from engine.llama import Llama
-from engine.run import Parser, write_atomic
+from engine.run import Parser, out_dir, write_atomic
 from engine.sampling import Random, Sampler
 
 # short on purpose: the 135M model's answers wander off or stop early on long asks
@@ -224,6 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.weights import default_checkpoint, load_model
     try:
         ckpt = args.checkpoint or default_checkpoint()
+        if not Path(ckpt).is_dir():
+            raise ValueError(f"checkpoint {ckpt} is not a directory")
+        out = out_dir(Path(args.out))
         tok, model = Tokenizer.load(ckpt), load_model(ckpt)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
@@ -240,8 +243,6 @@ def main(argv: list[str] | None = None) -> int:
         r["text"] = tok.decode([x for x in r["tokens"] if x not in tok.eos_ids])
     summary = summarize(records)
     table = markdown(summary, args.max_new_tokens)
-    out = Path(args.out)
-    out.mkdir(parents=True, exist_ok=True)
     write_atomic(out / "quality.md", table.encode())
     write_atomic(out / "quality.json", json.dumps(
         {"max_new_tokens": args.max_new_tokens, "seeds": seeds, "prompts": PROMPTS,

@@ -7,6 +7,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import resource
 import sys
 import time
@@ -50,6 +51,17 @@ def write_atomic(path: Path, data: bytes) -> None:
     tmp = path.with_name(path.name + ".tmp")
     tmp.write_bytes(data)
     tmp.replace(path)
+
+
+def out_dir(path: Path) -> Path:
+    """An --out directory, created if missing, checked before the long work that fills it."""
+    try:
+        path.mkdir(parents=True, exist_ok=True)
+    except OSError as e:
+        raise ValueError(f"--out {path}: cannot create it ({e.strerror})") from None
+    if not os.access(path, os.W_OK):
+        raise ValueError(f"--out {path}: not writable")
+    return path
 
 
 def parser() -> argparse.ArgumentParser:

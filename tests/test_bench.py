@@ -19,7 +19,8 @@ def test_forward_cost_reports_every_k_for_every_model():
 @pytest.mark.parametrize("argv", [["--forward-cost", "--ks", "0"], ["--forward-cost", "--ks", "x"],
                                   ["--configs", "nope"], ["--roof", "--random-weights"], ["--memory", "--random-weights"],
                                   ["--forward-cost", "--repeats", "0"], ["--forward-cost", "--int4"],
-                                  ["--roof", "--int4", "--dtype", "bfloat16"]])
+                                  ["--roof", "--int4", "--dtype", "bfloat16"],
+                                  ["--forward-cost", "--out", __file__]])   # --out names a file
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     from engine.bench import main
     with pytest.raises(SystemExit) as e:

@@ -1,6 +1,7 @@
 """The quality report's metrics, on examples small enough to count by hand, and its plumbing
 on a tiny model: the numbers in docs/quality.md mean only what these tests pin down."""
 import math
+import os
 
 import pytest
 import torch
@@ -96,7 +97,9 @@ def test_outputs_are_written_whole_via_a_renamed_temporary_file(tmp_path):
     (["--max-new-tokens", "x"], "invalid int"),
     (["--max-new-tokens", "0"], "max-new-tokens"),
     (["--seeds", "0"], "seeds"),
-    (["--checkpoint", "/nonexistent/ckpt"], "error"),
+    (["--checkpoint", "/nonexistent/ckpt"], "not a directory"),
+    # --out is checked before the long run: here it names a file
+    (["--checkpoint", os.path.dirname(__file__), "--out", __file__], "--out"),
 ])
 def test_bad_flags_are_one_line_and_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as e:

@@ -19,7 +19,12 @@ from tokenizers import Tokenizer as HFTokenizer
 
 
 def read_json(path: Path) -> dict:
-    return json.loads(path.read_text()) if path.is_file() else {}
+    if not path.is_file():
+        return {}
+    try:
+        return json.loads(path.read_text())
+    except json.JSONDecodeError as e:
+        raise ValueError(f"{path}: not valid JSON ({e})") from None
 
 
 class Tokenizer:
@@ -27,11 +32,17 @@ class Tokenizer:
         d = Path(ckpt_dir)
         self.hf = self.sp = None
         if (d / "tokenizer.json").is_file():
-            self.hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            try:
+                self.hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
+            except Exception as e:  # tokenizers raises a bare Exception on bad files
+                raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({e})") from None
             self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
             self.token_id = self.hf.token_to_id
         elif (d / "tokenizer.model").is_file():
-            self.sp = sentencepiece.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+            try:
+                self.sp = sentencepiece.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
+            except (OSError, RuntimeError) as e:
+                raise ValueError(f"{d / 'tokenizer.model'}: not a readable tokenizer ({e})") from None
             self.vocab_size = self.sp.get_piece_size()
             self.token_id = self.sp.piece_to_id
             # subtle: sentencepiece never matches control pieces (<s>) in text: split them out
@@ -81,9 +92,12 @@ class Tokenizer:
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template")
-        return chat_environment().from_string(self.chat_template).render(
-            messages=messages, add_generation_prompt=add_generation_prompt,
-            bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        try:  # a syntax error, or the template's own raise_exception() refusing the messages
+            return chat_environment().from_string(self.chat_template).render(
+                messages=messages, add_generation_prompt=add_generation_prompt,
+                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
+        except jinja2.TemplateError as e:
+            raise ValueError(f"chat template: {e}") from None
 
 
 def chat_environment() -> jinja2.Environment:

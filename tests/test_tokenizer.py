@@ -7,7 +7,6 @@ import copy
 import json
 from pathlib import Path
 
-import jinja2
 import pytest
 from hypothesis import given
 from hypothesis import strategies as st
@@ -116,11 +115,14 @@ def test_stream_decoder_flush_emits_a_dangling_partial_character(bytes_only):
 def test_chat_template_runs_sandboxed_with_raise_exception(bytes_only):
     # templates ship with downloaded weights: they may reject input, never reach Python internals
     assert bytes_only.render_chat([{"role": "user", "content": "x"}]) == "^x"
-    with pytest.raises(jinja2.TemplateError, match="user first"):
+    with pytest.raises(ValueError, match="chat template: user first"):  # one CLI error line
         bytes_only.render_chat([{"role": "system", "content": "x"}])
     evil = copy.copy(bytes_only)
     evil.chat_template = "{{ messages.__class__.__mro__ }}"
-    with pytest.raises(jinja2.exceptions.SecurityError):
+    with pytest.raises(ValueError, match="unsafe"):                    # jinja2's SecurityError
+        evil.render_chat([])
+    evil.chat_template = "{% for %}"
+    with pytest.raises(ValueError, match="chat template"):
         evil.render_chat([])
 
 
@@ -144,3 +146,16 @@ def test_sentencepiece_backend_parses_control_pieces_and_streams(tmp_path):
 def test_missing_tokenizer_is_a_clear_error(tmp_path):
     with pytest.raises(FileNotFoundError, match="tokenizer.json"):
         Tokenizer.load(tmp_path)
+
+
+@pytest.mark.parametrize("name,text", [("tokenizer.json", "garbage"), ("tokenizer.model", "garbage"),
+                                       ("tokenizer_config.json", "{"), ("config.json", "{")])
+def test_a_corrupt_tokenizer_file_is_an_error_that_names_it(bytes_only, tmp_path, name, text):
+    # the CLI turns ValueError into one line and exit 2; any other exception is a traceback
+    d = tmp_path / "ckpt"
+    d.mkdir()
+    if name != "tokenizer.model":
+        (d / "tokenizer.json").write_text(bytes_only.hf.to_str())
+    (d / name).write_text(text)
+    with pytest.raises(ValueError, match=name):
+        Tokenizer.load(d)

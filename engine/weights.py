@@ -303,9 +303,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
         tokenizer = hf_tokenizer(meta)
     except KeyError as e:
         raise ValueError(f"{gguf_path}: GGUF metadata lacks {e}") from None
-    out_dir.parent.mkdir(parents=True, exist_ok=True)
     # build next to OUT_DIR and rename at the end: a reader never sees a half-written checkpoint
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    try:
+        out_dir.parent.mkdir(parents=True, exist_ok=True)
+        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+    except OSError as e:
+        raise ValueError(f"{out_dir.parent}: cannot write a checkpoint there ({e.strerror})") from None
     try:
         write_checkpoint(reader, meta, config, tokenizer, tmp)
         tmp.chmod(0o755)  # mkdtemp makes it private
@@ -345,7 +348,7 @@ def main(argv: list[str] | None = None) -> int:
             out = convert(args.gguf, args.out_dir)
         else:
             out = default_checkpoint()
-    except (ValueError, FileNotFoundError) as e:
+    except (ValueError, OSError) as e:  # OSError: a disk that fills up mid-write, say
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(out)

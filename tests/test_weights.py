@@ -177,6 +177,7 @@ def test_gguf_without_output_converts_to_tied_embeddings(tmp_path):
     ("not_gguf", ValueError, "not a readable GGUF"),
     ("gpt2_arch", ValueError, "architecture 'gpt2'"),
     ("exists", ValueError, "already exists"),
+    ("parent_is_a_file", ValueError, "cannot write a checkpoint there"),
 ])
 def test_convert_refuses_bad_input_with_a_clear_message(tmp_path, case, error, words):
     src, out = tmp_path / "in.gguf", tmp_path / "out"
@@ -187,6 +188,10 @@ def test_convert_refuses_bad_input_with_a_clear_message(tmp_path, case, error, w
     elif case == "exists":
         write_gguf(src, hf_tensors())
         out.mkdir()
+    elif case == "parent_is_a_file":
+        write_gguf(src, hf_tensors())
+        (tmp_path / "file").write_text("")
+        out = tmp_path / "file" / "out"
     with pytest.raises(error, match=words):
         convert(src, out)
 

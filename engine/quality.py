@@ -224,10 +224,9 @@ def main(argv: list[str] | None = None) -> int:
     from engine.weights import default_checkpoint, load_model
     try:
         ckpt = args.checkpoint or default_checkpoint()
-        if not Path(ckpt).is_dir():
-            raise ValueError(f"checkpoint {ckpt} is not a directory")
+        tok = Tokenizer.load(ckpt)            # first: it names a missing checkpoint directory
         out = out_dir(Path(args.out))
-        tok, model = Tokenizer.load(ckpt), load_model(ckpt)
+        model = load_model(ckpt)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

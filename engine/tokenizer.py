@@ -30,6 +30,8 @@ def read_json(path: Path) -> dict:
 class Tokenizer:
     def __init__(self, ckpt_dir: str | Path):
         d = Path(ckpt_dir)
+        if not d.is_dir():
+            raise FileNotFoundError(f"checkpoint {d} is not a directory")
         self.hf = self.sp = None
         if (d / "tokenizer.json").is_file():
             try:

@@ -16,6 +16,7 @@ Verification primitives, written once for all decoders:
 """
 from __future__ import annotations
 
+import operator
 import random
 from dataclasses import dataclass
 
@@ -84,11 +85,52 @@ class Random:
 
 
 def icdf(probs: Tensor, u: float) -> int:
-    """The token x with cdf(x-1) <= u < cdf(x); never a token of probability 0."""
+    """The token x with cdf(x-1) <= u < cdf(x); never a token of probability 0.
+
+    probs must be one law (V,) (see `check_probs`) and u in [0, 1), else ValueError.
+    """
+    check_probs(probs, "probs")
+    if probs.dim() != 1:
+        raise ValueError(f"probs must be one row (V,), got shape {tuple(probs.shape)}")
+    if not 0 <= u < 1:
+        raise ValueError(f"u must be in [0, 1), got {u}")
     cdf = probs.double().cumsum(-1)                                          # (V,)
     x = int(torch.searchsorted(cdf, torch.tensor([u], dtype=cdf.dtype, device=cdf.device), right=True))
     # subtle: rounding can leave cdf[-1] <= u < 1; then take the last token with mass
     return x if x < len(cdf) else int(probs.nonzero()[-1])
+
+
+# --------------------------------------------------------------------------- input checks
+
+PROB_TOL = 1e-6   # |sum - 1| allowed for a float64 row; 1e-4 for lower precision rows
+
+
+def check_probs(rows: Tensor, name: str) -> None:
+    """Each row (last dim) is a law: finite, >= 0, summing to 1 within PROB_TOL, else ValueError.
+
+    A few whole-tensor ops and one host sync, so decoders can afford it every step.
+    """
+    if not torch.is_floating_point(rows) or rows.dim() == 0:
+        raise ValueError(f"{name} must be a float tensor of probability rows, got {rows.dtype} {tuple(rows.shape)}")
+    if rows.numel() == 0:
+        return
+    tol = PROB_TOL if rows.dtype == torch.float64 else 1e-4
+    x = rows.double()
+    ok = torch.isfinite(x).all() & (x >= 0).all() & ((x.sum(-1) - 1).abs() <= tol).all()
+    if not ok:
+        raise ValueError(f"{name} rows must be finite, >= 0 and sum to 1 (within {tol:g}): "
+                         f"min {float(x.min()):.6g}, sums {x.sum(-1).flatten()[:4].tolist()}")
+
+
+def check_ids(ids: list[int], V: int, name: str) -> None:
+    """Token ids are ints in [0, V): -1 (a common padding id) would index token V-1."""
+    for x in ids:
+        try:
+            ok = not isinstance(x, bool) and 0 <= operator.index(x) < V
+        except TypeError:
+            ok = False
+        if not ok:
+            raise ValueError(f"{name} must be token ids in [0, {V}), got {x!r}")
 
 
 # --------------------------------------------------------------------------- verification
@@ -102,7 +144,16 @@ def verify_rejection(p: Tensor, q: Tensor, drafts: list[int], rng: Random, posit
         on the first rejection emit y ~ norm(max(0, p_i - q_i)) and stop
         if all K accepted, emit a bonus y ~ p_K
     P(emit x) = q(x) min(1, p/q) + (1 - sum min(p, q)) (p - q)_+(x) / sum (p - q)_+ = p(x).
+    Bad input (shapes, ids outside [0, V), rows that are not laws, see `check_probs`) is a
+    ValueError: a certification tool calls this with other people's drafts.
     """
+    K = len(drafts)
+    if p.dim() != 2 or q.dim() != 2 or p.shape[0] != K + 1 or tuple(q.shape) != (K, p.shape[1]):
+        raise ValueError(f"with {K} drafts p must be ({K + 1}, V) and q ({K}, V), "
+                         f"got {tuple(p.shape)} and {tuple(q.shape)}")
+    check_ids(drafts, p.shape[1], "drafts")
+    check_probs(p, "p")
+    check_probs(q, "q")
     out = []
     for i, x in enumerate(drafts):
         if not q[i, x] > 0:
@@ -129,7 +180,15 @@ def verify_match(first: Tensor, rows: Tensor, candidates: Tensor, sampler: Sampl
         y_0 ~ p(first); alive = {g : c_g[0] == y_0}
         while alive: y_j ~ p(rows[g*, j-1]) for the first g* in alive; alive &= c_g[j] == y_j
     Every y_j is the plain sampler's draw at position + j given the same prefix.
+    Shapes that disagree or candidate ids outside [0, V) are a ValueError.
     """
+    V = first.shape[-1] if first.dim() == 1 else -1
+    if V < 0 or candidates.dim() != 2 or tuple(rows.shape) != (*candidates.shape, V):
+        raise ValueError(f"verify_match needs first (V,), candidates (G, n), rows (G, n, V); got "
+                         f"{tuple(first.shape)}, {tuple(candidates.shape)}, {tuple(rows.shape)}")
+    if candidates.numel() and not (candidates.dtype in (torch.int64, torch.int32)
+                                   and bool(((candidates >= 0) & (candidates < V)).all())):
+        raise ValueError(f"candidates must be token ids in [0, {V}), got {candidates.flatten().tolist()[:8]}")
     y = rng.categorical(sampler.probs(first), "token", position)
     out, alive, best = [y], list(range(len(candidates))), 0
     for j in range(candidates.shape[1] if len(candidates) else 0):

@@ -271,3 +271,73 @@ def test_rejection_refuses_a_draft_with_q_zero():
     p, q = torch.tensor([[0.5, 0.5], [0.5, 0.5]], dtype=torch.float64), torch.tensor([[1.0, 0.0]], dtype=torch.float64)
     with pytest.raises(ValueError, match="q = 0"):
         verify_rejection(p, q, [1], Random(0), 0)
+
+
+# --------------------------------------------------------------------------- input checks
+
+P2 = torch.tensor([[.1, .1, .1, .7], [.25] * 4], dtype=torch.float64)
+Q1 = torch.tensor([[.25] * 4], dtype=torch.float64)
+
+
+@pytest.mark.parametrize("draft", [-1, 4, 10**9, 1.0, True])
+def test_rejection_refuses_draft_ids_outside_the_vocabulary(draft):
+    # Why: -1 (vLLM's padding id) used to index token V-1, be accepted and come back as an
+    # output token, in 1000 of 1000 seeds; an id >= V was an IndexError, not our own error.
+    with pytest.raises(ValueError, match=r"token ids in \[0, 4\)"):
+        verify_rejection(P2, Q1, [draft], Random(0), 0)
+
+
+@pytest.mark.parametrize("p,q,drafts", [(P2, Q1, []), (P2, Q1, [0, 1]), (P2[:1], Q1, [0]),
+                                        (P2, Q1[:, :3], [0]), (P2[0], Q1, [0])], ids=range(5))
+def test_rejection_refuses_shapes_that_disagree(p, q, drafts):
+    with pytest.raises(ValueError, match="must be"):
+        verify_rejection(p, q, drafts, Random(0), 0)
+
+
+BAD_ROWS = {"nan": [float("nan"), .5, .25, .25], "inf": [float("inf"), 0, 0, 0],
+            "negative": [-.1, .6, .25, .25], "sums to 1.1": [.35, .25, .25, .25],
+            "sums to 1 - 2e-6": [.25 - 2e-6, .25, .25, .25]}
+
+
+@pytest.mark.parametrize("which", ["p", "q"])
+@pytest.mark.parametrize("bad", BAD_ROWS, ids=BAD_ROWS.keys())
+def test_rejection_refuses_rows_that_are_not_laws(bad, which):
+    row = torch.tensor([BAD_ROWS[bad]], dtype=torch.float64)
+    p, q = (torch.cat([row, P2[1:]]), Q1) if which == "p" else (P2, row)
+    with pytest.raises(ValueError, match="sum to 1"):
+        verify_rejection(p, q, [1], Random(0), 0)
+
+
+def test_rejection_accepts_rows_within_the_stated_tolerance():
+    # Why: the check must not refuse what Sampler.probs produces (renormalised top-p rows
+    # sum to 1 only to rounding); PROB_TOL = 1e-6 is far above float64 rounding.
+    q = torch.tensor([[.25 + 4e-7, .25, .25, .25]], dtype=torch.float64)
+    assert len(verify_rejection(P2, q, [1], Random(0), 0)) in (1, 2)
+
+
+@pytest.mark.parametrize("cands,rows", [
+    (torch.tensor([[-1, 0]]), torch.zeros(1, 2, 4)), (torch.tensor([[0, 4]]), torch.zeros(1, 2, 4)),
+    (torch.tensor([[0.0, 1.0]]), torch.zeros(1, 2, 4)), (torch.tensor([[0, 1]]), torch.zeros(1, 3, 4)),
+    (torch.tensor([0, 1]), torch.zeros(2, 4)), (torch.tensor([[0, 1]]), torch.zeros(1, 2, 5))], ids=range(6))
+def test_match_refuses_bad_candidates_or_shapes(cands, rows):
+    with pytest.raises(ValueError, match="verify_match needs|token ids"):
+        verify_match(torch.zeros(4), rows, cands, Sampler(1.0), Random(0), 0)
+
+
+def test_match_accepts_no_candidates():
+    out, best = verify_match(torch.zeros(4), torch.zeros(0, 2, 4), torch.zeros(0, 2, dtype=torch.long),
+                             Sampler(1.0), Random(0), 0)
+    assert len(out) == 1 and best == 0
+
+
+@pytest.mark.parametrize("probs,u", [(torch.tensor([.5, .6], dtype=torch.float64), .3),
+                                     (torch.tensor([1.5, -.5], dtype=torch.float64), .3),
+                                     (torch.tensor([.5, .5], dtype=torch.float64), 1.0),
+                                     (torch.tensor([.5, .5], dtype=torch.float64), -.1),
+                                     (torch.tensor([[.5, .5]], dtype=torch.float64), .3)], ids=range(5))
+def test_icdf_and_categorical_refuse_rows_that_are_not_laws_and_u_outside_0_1(probs, u):
+    with pytest.raises(ValueError):
+        icdf(probs, u)
+    if 0 <= u < 1:
+        with pytest.raises(ValueError):
+            Random(0).categorical(probs, "token", 0)

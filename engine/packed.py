@@ -3,7 +3,7 @@
 A k-row forward must cost about what a one-row forward costs, or lookahead and speculative
 decoding (which verify k rows per forward) cannot win. F.linear (MKL) leaves its one-row
 routine for k > 1 rows and repacks W on every call; oneDNN on a weight reordered once into
-its blocked layout streams it once for all k rows (`python -m engine.bench --forward-cost`).
+its blocked layout streams it once for all k rows (`python -m tools.bench --forward-cost`).
 
     model = prepack(load_model(ckpt))   # in place; CUDA, fp64 and fp16 models keep nn.Linear
 
@@ -113,13 +113,21 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     verified row sees its keys at other cache slots, so SIMD lanes add them in another order).
     """
     m = 2 if batch_invariant else 1
-    w = model.tok_embeddings.weight
-    if w.device.type != "cpu" or w.dtype not in (torch.float32, torch.bfloat16) or not torch.backends.mkldnn.is_available():
+    if not can_prepack(model.tok_embeddings.weight):
         return model
     swap_projections(model, lambda weight: PackedLinear(weight, m))
     if not model.config.tie_embeddings:
         model.packed_head = PackedLinear(model.output.weight, m)
         del model.output                 # the packed copy replaces it, as in every layer
     else:  # the embedding table stays for lookups; the head reads its packed copy
-        model.packed_head = PackedLinear(w, m)
+        model.packed_head = PackedLinear(model.tok_embeddings.weight, m)
     return model
+
+
+def can_prepack(w: Tensor) -> bool:
+    """oneDNN takes fp32 on any x86 CPU, bf16 only where the CPU has bf16 conversions."""
+    # subtle: an AVX2-only CPU (or a VM that hides AVX-512) has no oneDNN bf16 path; reordering
+    # a bf16 weight there raises, so such models keep nn.Linear
+    if w.device.type != "cpu" or not torch.backends.mkldnn.is_available():
+        return False
+    return w.dtype == torch.float32 or (w.dtype == torch.bfloat16 and torch.ops.mkldnn._is_mkldnn_bf16_supported())

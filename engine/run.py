@@ -7,7 +7,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
 import resource
 import sys
 import time
@@ -15,28 +14,14 @@ from pathlib import Path
 
 import torch
 
-from engine import contrastive, lookahead, speculative
-from engine.generate import Stats, generate, plain
+from engine.decoders import DECODERS
+from engine.generate import Stats, generate
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
-from engine.weights import default_checkpoint, load_model
-
-# name -> (decoder, its knobs from the parsed flags). Models are passed by `models()`.
-DECODERS = {
-    "plain": (plain, lambda a: {}),
-    "lookahead": (lookahead.decode, lambda a: dict(
-        window=a.window, ngram=a.ngram, guesses=a.guesses, trim_layers=a.trim_layers)),
-    "speculative": (speculative.decode, lambda a: dict(
-        num_draft=a.num_draft, verify=a.verify, adaptive=a.adaptive)),
-    "contrastive": (contrastive.decode, lambda a: dict(
-        alpha=a.alpha, beta=a.beta, form=a.form, amateur_temperature=a.amateur_temperature,
-        speculative=a.speculative, num_draft=a.num_draft)),
-}
+from engine.weights import DTYPES, default_checkpoint, load_model
 SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
 
 
 class Parser(argparse.ArgumentParser):
@@ -44,24 +29,6 @@ class Parser(argparse.ArgumentParser):
 
     def error(self, message):
         self.exit(2, f"error: {message}\n")
-
-
-def write_atomic(path: Path, data: bytes) -> None:
-    # subtle: a reader (or a killed run) never sees half a file: write aside, then rename
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
-
-
-def out_dir(path: Path) -> Path:
-    """An --out directory, created if missing, checked before the long work that fills it."""
-    try:
-        path.mkdir(parents=True, exist_ok=True)
-    except OSError as e:
-        raise ValueError(f"--out {path}: cannot create it ({e.strerror})") from None
-    if not os.access(path, os.W_OK):
-        raise ValueError(f"--out {path}: not writable")
-    return path
 
 
 def parser() -> argparse.ArgumentParser:
@@ -112,18 +79,16 @@ def parser() -> argparse.ArgumentParser:
 
 def models(args) -> tuple:
     """The second model a decoder needs: a checkpoint dir, or `layers:L` of the target itself."""
-    def second(spec: str, early_exit):
-        if spec.startswith("layers:"):
-            L = spec.split(":", 1)[1]
-            if not L.isdigit():
-                raise ValueError(f"{spec!r}: expected layers:L with L an integer")
-            return early_exit(int(L))
-        return load(spec, args)
-    if args.decoder == "speculative":
-        return (second(args.draft, speculative.SelfDraft),)
-    if args.decoder == "contrastive":
-        return (second(args.amateur, int),)   # contrastive takes an int L for an early exit
-    return ()
+    d = DECODERS[args.decoder]
+    if d.second is None:
+        return ()
+    spec = getattr(args, d.second)
+    if not spec.startswith("layers:"):
+        return (load(spec, args),)
+    L = spec.split(":", 1)[1]
+    if not L.isdigit():
+        raise ValueError(f"{spec!r}: expected layers:L with L an integer")
+    return (d.early_exit(int(L)),)
 
 
 def load(ckpt, args):
@@ -149,7 +114,7 @@ def run(args) -> dict:
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
     ckpt = args.checkpoint or default_checkpoint()
     if not Path(ckpt).is_dir():
-        raise ValueError(f"checkpoint {ckpt} is not a directory (convert a GGUF with `python -m engine.weights convert`)")
+        raise ValueError(f"checkpoint {ckpt} is not a directory (convert a GGUF with `python -m tools.convert convert`)")
     tok = Tokenizer.load(ckpt)
     text = args.prompt if args.prompt is not None else sys.stdin.read()
     if not text.strip():
@@ -162,9 +127,9 @@ def run(args) -> dict:
     if len(prompt) + args.max_new_tokens > model.config.max_seq_len:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
                          f" exceeds the model's context ({model.config.max_seq_len})")
-    decode, knobs = DECODERS[args.decoder]
-    steps = decode(model, *models(args), prompt, sampler=sampler, rng=Random(args.seed),
-                   max_new_tokens=args.max_new_tokens, **knobs(args))
+    d = DECODERS[args.decoder]
+    steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=Random(args.seed),
+                     max_new_tokens=args.max_new_tokens, **{k: getattr(args, k) for k in d.knobs})
     # a stop string that the newest token completes lies in the text of the last m tokens
     # (m = its bytes: every token is at least one byte); one more token keeps its lead intact
     tail = max((len(s.encode()) for s in args.stop), default=0) + 1

@@ -9,7 +9,7 @@ from conftest import tiny_llama
 
 
 def test_forward_cost_reports_every_k_for_every_model():
-    from engine.bench import forward_cost, twin
+    from tools.bench import forward_cost, twin
     model = tiny_llama(0, vocab=64).float()
     out = forward_cost({"a": model, "b": twin(model)}, ks=(1, 3), prompt_len=5, repeats=2)
     assert set(out) == {"a", "b"} and set(out["a"]) == {1, 3}
@@ -22,25 +22,25 @@ def test_forward_cost_reports_every_k_for_every_model():
                                   ["--roof", "--int4", "--dtype", "bfloat16"],
                                   ["--forward-cost", "--out", __file__]])   # --out names a file
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
-    from engine.bench import main
+    from tools.bench import main
     with pytest.raises(SystemExit) as e:
         main(argv)
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
 
 
 def test_missing_checkpoint_is_a_clean_error(tmp_path, capsys):
-    from engine.bench import main
+    from tools.bench import main
     assert main(["--forward-cost", "--checkpoint", str(tmp_path / "none")]) == 2
-    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("engine.bench: error:")
+    assert capsys.readouterr().err.strip().splitlines()[-1].startswith("tools.bench: error:")
 
 
 def test_compare_runs_every_config_and_checks_tokens_against_plain():
     # why: the benchmark's "same tokens" column is the exactness claim next to every speedup
-    from engine.bench import CONFIGS, compare, markdown
+    from tools.bench import CONFIGS, compare, markdown
     from engine import speculative
     model = tiny_llama(0, vocab=8, n_layers=3)
     configs = {"plain": CONFIGS["plain"], "lookahead W5 N4 G5": CONFIGS["lookahead W5 N4 G5"],
-               "spec": (speculative.decode, speculative.SelfDraft(1), dict(num_draft=2))}
+               "spec": ("speculative", speculative.SelfDraft(1), dict(num_draft=2))}
     prompts = {"a": [[1, 2, 3, 1, 2]], "b": [[4, 5], [6]]}
     table = compare(model, prompts, configs, repeats=1, max_new_tokens=12)
     for name in configs:
@@ -54,7 +54,7 @@ def test_compare_runs_every_config_and_checks_tokens_against_plain():
 def test_an_outside_reference_is_one_more_row_checked_against_plain():
     # why: HF's generate runs as a callable config, interleaved with ours; its tokens are
     # compared too, so a reference that answers differently shows under "same tokens"
-    from engine.bench import CONFIGS, compare, hf_reference
+    from tools.bench import CONFIGS, compare, hf_reference
     from engine.generate import generate, plain
     from engine.sampling import Random, Sampler
     model = tiny_llama(0, vocab=8)
@@ -77,7 +77,7 @@ def test_an_outside_reference_is_one_more_row_checked_against_plain():
 def test_weight_bytes_counts_what_one_token_reads(tie):
     # every matrix and norm once, the head included; of the embedding table only a row is read,
     # so an untied model's table is not counted and a tied one's is counted once, as the head
-    from engine.bench import weight_bytes
+    from tools.bench import weight_bytes
     model = tiny_llama(0, vocab=64, tie=tie)
     params = sum(p.numel() for p in model.parameters())
     table = model.tok_embeddings.weight.numel()
@@ -85,7 +85,7 @@ def test_weight_bytes_counts_what_one_token_reads(tie):
 
 
 def test_cost_plot_is_written_whole(tmp_path):
-    from engine.bench import plot_cost
+    from tools.bench import plot_cost
     cost = {"engine": {1: {"ms": 30.0}, 8: {"ms": 33.0}}, "naive": {"1": {"ms": 50.0}, "8": {"ms": 70.0}}}
     plot_cost(cost, tmp_path / "c.png")                     # int keys live, str keys from JSON
     assert (tmp_path / "c.png").read_bytes()[:4] == b"\x89PNG" and len(list(tmp_path.iterdir())) == 1
@@ -93,10 +93,10 @@ def test_cost_plot_is_written_whole(tmp_path):
 
 def test_forward_cost_run_writes_its_json_plot_and_command(tmp_path, capsys):
     # why: `make bench` prints tables; the JSON and the plot it leaves are what docs/ keeps
-    from engine.bench import main
+    from tools.bench import main
     argv = ["--forward-cost", "--random-weights", "--ks", "1,2", "--repeats", "1", "--out", str(tmp_path)]
     assert main(argv) == 0
     saved = json.loads((tmp_path / "forward-cost.json").read_text())
     assert set(saved["forward_cost"]["engine"]) == {"1", "2"}
-    assert saved["command"] == "python -m engine.bench " + shlex.join(argv)
+    assert saved["command"] == "python -m tools.bench " + shlex.join(argv)
     assert (tmp_path / "forward-cost.png").stat().st_size > 0

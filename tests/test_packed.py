@@ -10,10 +10,11 @@ from engine.kvcache import KVCache
 from conftest import tiny_llama
 
 needs_onednn = pytest.mark.skipif(not torch.backends.mkldnn.is_available(), reason="no oneDNN")
+bf16_packs = packed.can_prepack(torch.zeros(1, dtype=torch.bfloat16))
 
 
 def pair(tie=False, dtype=torch.float32):
-    from engine.bench import twin
+    from tools.bench import twin
     model = tiny_llama(0, vocab=64, tie=tie).to(dtype)
     return twin(model), packed.prepack(model)
 
@@ -22,9 +23,11 @@ def pair(tie=False, dtype=torch.float32):
 @pytest.mark.parametrize("tie, dtype, tol", [(False, torch.float32, 1e-5), (True, torch.float32, 1e-5),
                                              (False, torch.bfloat16, 3e-2)])
 def test_prepacked_model_gives_the_logits_of_nn_linear(tie, dtype, tol):
-    # why: prepack is a kernel swap, never a model change (bf16: to a bf16 rounding or two)
+    # why: prepack is a kernel swap, never a model change (bf16: to a bf16 rounding or two);
+    # on a CPU without oneDNN bf16 (AVX2 only) a bf16 model keeps nn.Linear, and still runs
     naive, fast = pair(tie, dtype)
-    assert isinstance(fast.layers[0].feed_forward.w13, packed.PackedLinear)
+    packs = dtype == torch.float32 or bf16_packs
+    assert isinstance(fast.layers[0].feed_forward.w13, packed.PackedLinear) == packs
     tokens, pos = torch.randint(0, 64, (1, 7)), torch.arange(7)
     a = naive(tokens, pos, KVCache.for_model(naive, 8))
     b = fast(tokens, pos, KVCache.for_model(fast, 8))
@@ -52,12 +55,15 @@ def test_batch_invariant_rows_do_not_depend_on_the_row_count(shape):
 @needs_onednn
 def test_one_row_kernel_rounds_differently_so_the_padding_is_needed():
     # the broken variant: without the zero row, a one-row step takes oneDNN's matrix-vector
-    # kernel, whose bits differ; the test above must be able to see that
+    # kernel, whose bits differ on AVX-512 CPUs; the test above must be able to see that.
+    # On a CPU whose one-row kernel already rounds as the k-row one (AVX2 here), there is no
+    # broken variant to catch, and the test says so instead of passing vacuously.
     g = torch.Generator().manual_seed(0)
     lin = packed.PackedLinear(torch.randn(576, 1536, generator=g), min_rows=1)
     x = torch.randn(1, 8, 1536, generator=g)
     full = lin(x)
-    assert any(not torch.equal(lin(x[:, t:t + 1]), full[:, t:t + 1]) for t in range(8))
+    if all(torch.equal(lin(x[:, t:t + 1]), full[:, t:t + 1]) for t in range(8)):
+        pytest.skip(f"one-row and k-row kernels agree on this CPU ({torch.backends.cpu.get_cpu_capability()})")
 
 
 # --------------------------------------------------------------------------- int4

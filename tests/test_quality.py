@@ -5,8 +5,8 @@ import math
 import pytest
 import torch
 
-from engine import quality
-from engine.quality import (Config, distinct_n, evaluate, markdown, ngram_entropy, perplexity,
+from tools import quality
+from tools.quality import (Config, distinct_n, evaluate, markdown, ngram_entropy, perplexity,
                             repeat_rate, summarize)
 from engine.sampling import Sampler
 from engine.weights import DEFAULT_CHECKPOINT

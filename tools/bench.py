@@ -1,8 +1,8 @@
 """The benchmark: every decoder against plain, what a k-token forward costs, and the memory roof.
 
-    python -m engine.bench                                   # decoders side by side -> bench-out/
-    python -m engine.bench --forward-cost --json [--naive]   # ms per k-row forward, ratio to k=1
-    python -m engine.bench --roof --json                     # weight bytes / bandwidth -> tok/s
+    python -m tools.bench                                   # decoders side by side -> bench-out/
+    python -m tools.bench --forward-cost --json [--naive]   # ms per k-row forward, ratio to k=1
+    python -m tools.bench --roof --json                     # weight bytes / bandwidth -> tok/s
 
 Lookahead and speculative decoding pay one forward of k rows for up to k tokens, so they win
 only where cost(k) / cost(1) stays small. One-row decoding reads every weight once per token,
@@ -26,13 +26,15 @@ from pathlib import Path
 
 import torch
 
-from engine import lookahead, speculative
-from engine.generate import Stats, Step, generate, plain
+from engine import speculative
+from engine.decoders import DECODERS
+from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
 from engine.packed import prepack, quantize_int4
-from engine.run import DTYPES, Parser, out_dir, write_atomic
 from engine.sampling import Random, Sampler
+from engine.weights import DTYPES
+from tools.cli import Parser, out_dir, write_atomic
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_TOKENS = 100                     # the cache a forward attends to, a realistic prompt
@@ -182,7 +184,7 @@ def plain_decode(model: Llama, prompt: list[int], max_new_tokens: int = 64,
                  eos_ids=()) -> dict:
     """Greedy plain decoding: decode tokens/s (prefill excluded) and the tokens themselves."""
     stats = Stats()
-    steps = plain(model, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens)
+    steps = DECODERS["plain"].decode(model, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens)
     tokens = list(generate(steps, max_new_tokens=max_new_tokens, eos_ids=eos_ids, stats=stats))
     return {"tok_s": round(stats.decode_tokens_per_second, 2), "new_tokens": len(tokens),
             "prefill_s": round(stats.prefill_seconds, 3), "tokens": tokens}
@@ -198,30 +200,31 @@ def chat_prompt(checkpoint: Path) -> tuple[list[int], set[int]]:
 # --------------------------------------------------------------------------- decoders side by side
 
 PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.json"
-# name -> (decoder, second model or None, knobs). Greedy, so every row must print plain's tokens.
+# name -> (decoder in engine/decoders.py, second model or None, knobs). Greedy, so every row
+# must print plain's tokens.
 CONFIGS = {
-    "plain": (plain, None, {}),
-    "lookahead W2 N4 G2": (lookahead.decode, None, dict(window=2, ngram=4, guesses=2)),
-    "lookahead W3 N4 G3": (lookahead.decode, None, dict(window=3, ngram=4, guesses=3)),
-    "lookahead W5 N4 G5": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5)),
-    "lookahead W5 N4 G5 trim 2": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=2)),
-    "lookahead W5 N4 G5 trim 8": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=8)),
-    "lookahead W5 N4 G5 trim 16": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=16)),
-    "lookahead W5 N4 G5 trim 30": (lookahead.decode, None, dict(window=5, ngram=4, guesses=5, trim_layers=30)),
-    "lookahead auto": (lookahead.decode, None, {}),
+    "plain": ("plain", None, {}),
+    "lookahead W2 N4 G2": ("lookahead", None, dict(window=2, ngram=4, guesses=2)),
+    "lookahead W3 N4 G3": ("lookahead", None, dict(window=3, ngram=4, guesses=3)),
+    "lookahead W5 N4 G5": ("lookahead", None, dict(window=5, ngram=4, guesses=5)),
+    "lookahead W5 N4 G5 trim 2": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=2)),
+    "lookahead W5 N4 G5 trim 8": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=8)),
+    "lookahead W5 N4 G5 trim 16": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=16)),
+    "lookahead W5 N4 G5 trim 30": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=30)),
+    "lookahead auto": ("lookahead", None, {}),
     # the paper's GPU setting: 120 window and guess rows per forward, for its tokens per forward
-    "lookahead W15 N5 G15": (lookahead.decode, None, dict(window=15, ngram=5, guesses=15)),
-    "speculative L=12 K=3": (speculative.decode, speculative.SelfDraft(12), dict(num_draft=3)),
-    "speculative L=20 adaptive": (speculative.decode, speculative.SelfDraft(20), dict(adaptive=True)),
+    "lookahead W15 N5 G15": ("lookahead", None, dict(window=15, ngram=5, guesses=15)),
+    "speculative L=12 K=3": ("speculative", speculative.SelfDraft(12), dict(num_draft=3)),
+    "speculative L=20 adaptive": ("speculative", speculative.SelfDraft(20), dict(adaptive=True)),
 }
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
     """One greedy generation: tokens, timings, and per-step draft acceptance."""
-    decoder, second, knobs = config
+    name, second, knobs = config
     models = (model,) if second is None else (model, second)
     steps, stats = [], Stats()
-    run = decoder(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
+    run = DECODERS[name].decode(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
     t0 = time.perf_counter()
     tokens = list(generate(record(run, steps), max_new_tokens=max_new_tokens, eos_ids=eos_ids, stats=stats))
     seconds = time.perf_counter() - t0
@@ -339,7 +342,6 @@ def memory(checkpoint: Path, max_new_tokens: int) -> dict:
     """Peak resident memory of `python -m engine.run --decoder D --json` per decoder, each in
     a fresh process: while loading (file pages and weight copies) and then while decoding."""
     import subprocess
-    from engine.run import DECODERS
     out = {}
     for name in DECODERS:
         progress(f"memory: {name}")
@@ -420,7 +422,7 @@ def save(fig, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine.weights import DEFAULT_CHECKPOINT
-    p = Parser(prog="python -m engine.bench", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
     p.add_argument("--forward-cost", action="store_true",
                    help="ms of a k-token forward after a 100-token cache, k in 1..64")
     p.add_argument("--roof", action="store_true",
@@ -562,9 +564,9 @@ def main(argv: list[str] | None = None) -> int:
     try:
         result = run(args)
     except (FileNotFoundError, ValueError) as e:
-        print(f"engine.bench: error: {e}", file=sys.stderr)
+        print(f"tools.bench: error: {e}", file=sys.stderr)
         return 2
-    result["command"] = "python -m engine.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
+    result["command"] = "python -m tools.bench " + shlex.join(sys.argv[1:] if argv is None else argv)
     if args.json:
         print(json.dumps(result))
     else:

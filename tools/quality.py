@@ -1,4 +1,4 @@
-"""The quality report: python -m engine.quality [--max-new-tokens 96] [--out bench-out]
+"""The quality report: python -m tools.quality [--max-new-tokens 96] [--out bench-out]
 
 Does contrastive decoding (Li et al. 2022, arXiv 2210.15097) do what its paper says on our
 model: less repetition than greedy, lower expert perplexity than nucleus sampling? Each
@@ -25,10 +25,10 @@ from pathlib import Path
 
 import torch
 
-from engine import contrastive
-from engine.generate import generate, plain
+from engine.decoders import DECODERS
+from engine.generate import generate
 from engine.llama import Llama
-from engine.run import Parser, out_dir, write_atomic
+from tools.cli import Parser, out_dir, write_atomic
 from engine.sampling import Random, Sampler
 
 # short on purpose: the 135M model's answers wander off or stop early on long asks
@@ -122,9 +122,9 @@ def decode_one(model: Llama, cfg: Config, prompt: list[int], seed: int, max_new_
                eos_ids) -> list[int]:
     common = dict(sampler=cfg.sampler, rng=Random(seed), max_new_tokens=max_new_tokens)
     if cfg.amateur is None:
-        steps = plain(model, prompt, **common)
+        steps = DECODERS["plain"].decode(model, prompt, **common)
     else:
-        steps = contrastive.decode(model, cfg.amateur, prompt, **common, **cfg.knobs)
+        steps = DECODERS["contrastive"].decode(model, cfg.amateur, prompt, **common, **cfg.knobs)
     return list(generate(steps, max_new_tokens=max_new_tokens, eos_ids=eos_ids))
 
 
@@ -206,7 +206,7 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m engine.quality", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m tools.quality", description=__doc__.splitlines()[0])
     p.add_argument("--max-new-tokens", type=int, default=96, help="token budget per output")
     p.add_argument("--out", default="bench-out", help="directory for quality.{md,json,png}")
     p.add_argument("--seeds", type=int, default=3, help="seeds per prompt for nucleus sampling")

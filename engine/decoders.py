@@ -1,0 +1,32 @@
+"""The one decoder registry: name -> its decode function, the knobs it takes, its second model.
+
+The CLI (engine/run.py), the benchmark and the quality report (tools/) all read this table.
+Adding a decoder is a module with `decode(model, [second,] prompt, *, sampler, rng,
+max_new_tokens, **knobs) -> Iterator[Step]`, one line here, a flag per knob in engine/run.py,
+and its tests (README, "Adding a decoder").
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable
+
+from engine import contrastive, lookahead, speculative
+from engine.generate import plain
+
+
+@dataclass(frozen=True)
+class Decoder:
+    decode: Callable
+    knobs: tuple[str, ...] = ()     # decode()'s keyword knobs; the CLI flag is --knob-name
+    second: str | None = None       # the flag naming its second model: a checkpoint or layers:L
+    early_exit: Callable = int      # layers:L -> what decode() takes for an early exit of the target
+
+
+DECODERS = {
+    "plain": Decoder(plain),
+    "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers")),
+    "speculative": Decoder(speculative.decode, ("num_draft", "verify", "adaptive"), "draft",
+                           speculative.SelfDraft),
+    "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
+                                                "speculative", "num_draft"), "amateur"),
+}

@@ -7,13 +7,54 @@ rejected drafts back with `truncate`.
 """
 from __future__ import annotations
 
+import os
+
 import torch
 from torch import Tensor
+
+
+def available_bytes(device) -> int | None:
+    """Memory a new allocation on `device` can still get; None when the platform cannot say.
+
+    CPU: MemAvailable from /proc/meminfo (what Linux can hand out without swapping), else
+    free pages from sysconf. CUDA: the driver's free bytes. Used to refuse a request before
+    allocating it, never as a promise that smaller ones fit.
+    """
+    device = torch.device(device if device is not None else "cpu")
+    if device.type == "cuda":
+        return torch.cuda.mem_get_info(device)[0]
+    if device.type != "cpu":
+        return None
+    try:
+        for line in open("/proc/meminfo"):
+            if line.startswith("MemAvailable:"):
+                return int(line.split()[1]) * 1024
+    except (OSError, ValueError, IndexError):
+        pass
+    try:
+        return os.sysconf("SC_AVPHYS_PAGES") * os.sysconf("SC_PAGE_SIZE")
+    except (ValueError, OSError, AttributeError):
+        return None
+
+
+def check_fits(nbytes: int, what: str, device) -> None:
+    """ValueError naming `what` when `nbytes` exceed the memory `device` has free."""
+    free = available_bytes(device)
+    if free is not None and nbytes > free:
+        raise ValueError(f"{what} needs {nbytes / 2**30:.3g} GiB, more than the "
+                         f"{free / 2**30:.3g} GiB free on {torch.device(device or 'cpu')}")
 
 
 class KVCache:
     def __init__(self, n_layers: int, n_kv_heads: int, head_dim: int, capacity: int,
                  batch: int = 1, dtype: torch.dtype = torch.float32, device=None):
+        for name, n in [("n_layers", n_layers), ("n_kv_heads", n_kv_heads), ("head_dim", head_dim),
+                        ("capacity", capacity), ("batch", batch)]:
+            if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+                raise ValueError(f"KVCache: {name} must be an integer >= 1, got {n!r}")
+        # checked before allocating: a capacity of 10^9 slots must be an error, not a hang
+        check_fits(2 * n_layers * batch * n_kv_heads * capacity * head_dim * dtype.itemsize,
+                   f"a KV cache of {capacity} slots", device)
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)      # (L, B, Hkv, capacity, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
@@ -21,9 +62,17 @@ class KVCache:
         self.length = 0                                                # committed slots
 
     @classmethod
-    def for_model(cls, model, capacity: int, batch: int = 1) -> KVCache:
-        """A cache shaped for `model` (a Llama), on its device and in its dtype."""
+    def for_model(cls, model, capacity: int, batch: int = 1, scratch: int | None = None) -> KVCache:
+        """A cache shaped for `model` (a Llama), on its device and in its dtype.
+
+        scratch: the slots of `capacity` that only ever hold one step's candidate rows (which
+        share positions); the rest are tokens at positions 0.., which must fit in the model's
+        context. None: the caller did not say, so only memory is checked.
+        """
         cfg, w = model.config, model.tok_embeddings.weight
+        if scratch is not None and capacity - scratch > cfg.max_seq_len:
+            raise ValueError(f"prompt + new tokens = {capacity - scratch} positions exceed the "
+                             f"model's context ({cfg.max_seq_len})")
         return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, batch, w.dtype, w.device)
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:

@@ -1,14 +1,26 @@
 """The command line: python -m engine.run --decoder lookahead --prompt "..."
 
 Text streams to stdout as it is accepted; one stats line goes to stderr (or, with --json, one
-JSON object goes to stdout instead). Bad input is one `error:` line on stderr and exit code 2.
+JSON object goes to stdout instead). Bad input is one `error:` line on stderr and exit code 2,
+before any text is printed; so is an answer that cannot be written (stdout closed or full).
+Ctrl-C exits 130 and keeps what was streamed; a reader that closes the pipe early (`| head`)
+ends it quietly with 141, as SIGPIPE would.
 """
 from __future__ import annotations
 
+import os
+import signal
+import sys
+
+if __name__ == "__main__":
+    # subtle: Ctrl-C while torch imports (seconds) would print a traceback from the import
+    # machinery; until main() takes over, it ends the process quietly with 130
+    signal.signal(signal.SIGINT, lambda *_: os._exit(130))
+
 import argparse
 import json
+import math
 import resource
-import sys
 import time
 from pathlib import Path
 
@@ -19,7 +31,7 @@ from engine.generate import Stats, generate
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
-from engine.weights import DTYPES, default_checkpoint, load_model
+from engine.weights import DTYPES, default_checkpoint, load_config, load_model
 SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
 
@@ -35,7 +47,10 @@ def parser() -> argparse.ArgumentParser:
     p = Parser(prog="python -m engine.run", description=__doc__.splitlines()[0])
     p.add_argument("--decoder", default="plain", choices=DECODERS, help="decoding loop")
     p.add_argument("--prompt", help="the prompt (default: read stdin)")
-    p.add_argument("--raw", action="store_true", help="do not apply the chat template")
+    p.add_argument("--raw", action="store_true",
+                   help="send the text as is: no chat template, and special-token strings in it "
+                        "(<|im_start|>, <s>) become control tokens. Without --raw the text is one "
+                        "user message and such strings in it stay plain text")
     p.add_argument("--max-new-tokens", type=int, default=128, help="token budget")
     p.add_argument("--stop", action="append", default=[], metavar="TEXT",
                    help="end once the output contains TEXT, which is not printed (repeatable)")
@@ -100,35 +115,122 @@ def load(ckpt, args):
     return model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
 
 
-def run(args) -> dict:
+def check_flags(args) -> None:
+    """Every flag that can be judged without the checkpoint, before anything is read."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    if args.device.startswith("cuda") and not torch.cuda.is_available():
-        raise ValueError(f"--device {args.device}: CUDA is not available here")
+    for flag, text in [("--prompt", args.prompt)] + [("--stop", t) for t in args.stop]:
+        utf8(text, flag)
+    device(args.device)
     if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
+    for flag in ("checkpoint", "draft", "amateur"):
+        if getattr(args, flag) == "":   # '' is not "the default": it is a path nobody meant
+            raise ValueError(f"--{flag} '' names no checkpoint")
+    t = args.amateur_temperature   # the same rule as Sampler's temperature (sampling.py)
+    if not (math.isfinite(t) and t >= 1e-4):
+        raise ValueError(f"--amateur-temperature must be a finite number >= 1e-4 (a smaller one "
+                         f"overflows l_A / tau), got {t:g}")
+
+
+def utf8(text: str | None, what: str) -> None:
+    # subtle: Python keeps undecodable argv bytes as lone surrogates; the tokenizer would raise
+    # on them deep inside, so name them here
+    if text is None:
+        return
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        raise ValueError(f"{what} is not valid UTF-8 text (character {e.start}: "
+                         f"{text[e.start]!r})") from None
+
+
+def device(name: str) -> torch.device:
+    """--device as torch understands it, on a device that exists here and can hold weights."""
+    try:
+        d = torch.device(name)
+    except (RuntimeError, ValueError) as e:
+        raise ValueError(f"--device {name!r}: not a device ({str(e).splitlines()[0]})") from None
+    if d.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"--device {name}: CUDA is not available here")
+        if d.index is not None and d.index >= torch.cuda.device_count():
+            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
+    elif d.type != "cpu":   # meta holds no data; others are untested here
+        raise ValueError(f"--device {name!r}: only cpu and cuda[:N] run the engine")
+    return d
+
+
+def read_prompt(args) -> str:
+    if args.prompt is not None:
+        return args.prompt
+    if sys.stdin is None:
+        raise ValueError("no --prompt, and stdin is closed")
+    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    try:  # decoded here, strictly: the locale's decoder may keep bad bytes as surrogates
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not UTF-8 text ({e.reason}: byte {data[e.start]:#04x} "
+                         f"at offset {e.start})") from None
+
+
+def bound_knobs(args, room: int, context: int) -> None:
+    """Clamp lookahead's and the drafts' sizes to what the token budget can use, said once on
+    stderr; refuse a step wider than the model's context. `room`: tokens that can still be
+    generated, min(--max-new-tokens, context - prompt).
+
+    A window column or a draft token past the budget can never be accepted, yet each costs
+    memory: --num-draft 10^9 would try to allocate a cache of 10^9 slots.
+    """
+    def clamp(name, top):
+        v = getattr(args, name)
+        if v is not None and v > top:
+            print(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token "
+                  f"budget can use", file=sys.stderr)
+            setattr(args, name, top)
+
+    knobs = DECODERS[args.decoder].knobs
+    for name in ("window", "guesses", "num_draft"):
+        if name in knobs:
+            clamp(name, room)
+    if "ngram" in knobs:
+        clamp("ngram", room + 1)       # x and N-1 tokens after it
+    if args.decoder == "lookahead" and None not in (args.window, args.ngram):
+        W, N, G = args.window, args.ngram, args.guesses if args.guesses is not None else args.window
+        rows = 1 + (N - 1) * (W + max(G, 0))
+        if rows > context:
+            raise ValueError(f"--window {W} --ngram {N} --guesses {G} make {rows} rows per step, "
+                             f"more than the model's context ({context}): make them smaller")
+
+
+def run(args) -> dict:
+    check_flags(args)
     sampler = Sampler(args.temperature, args.top_k, args.top_p)
-    ckpt = args.checkpoint or default_checkpoint()
+    rng = Random(args.seed)
+    ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
     if not Path(ckpt).is_dir():
         raise ValueError(f"checkpoint {ckpt} is not a directory (convert a GGUF with `python -m tools.convert convert`)")
+    context = load_config(ckpt).max_seq_len     # validated before any weight is read
     tok = Tokenizer.load(ckpt)
-    text = args.prompt if args.prompt is not None else sys.stdin.read()
+    text = read_prompt(args)
     if not text.strip():
         raise ValueError("the prompt is empty")
-    if not args.raw and tok.chat_template:
-        text = tok.render_chat([{"role": "user", "content": text}])
-    prompt = tok.encode(text)
+    if args.raw or not tok.chat_template:   # --raw: control tokens on purpose; see --help
+        prompt = tok.encode(text, special=args.raw)
+    else:
+        prompt = tok.encode_chat([{"role": "user", "content": text}])
+    if len(prompt) + args.max_new_tokens > context:
+        raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
+                         f" exceeds the model's context ({context})")
+    bound_knobs(args, args.max_new_tokens, context)
     model = load(ckpt, args)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
-    if len(prompt) + args.max_new_tokens > model.config.max_seq_len:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
-                         f" exceeds the model's context ({model.config.max_seq_len})")
     d = DECODERS[args.decoder]
-    steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=Random(args.seed),
+    steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=rng,
                      max_new_tokens=args.max_new_tokens, **{k: getattr(args, k) for k in d.knobs})
     # a stop string that the newest token completes lies in the text of the last m tokens
     # (m = its bytes: every token is at least one byte); one more token keeps its lead intact
@@ -188,18 +290,32 @@ def peak_rss_mb(reset: bool = False) -> float:
 
 
 def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:   # started with stdout closed (`>&-`): the answer would vanish
+        print("error: stdout is closed: the answer would be lost", file=sys.stderr)
+        return 2
     args = parser().parse_args(argv)
     try:
         result = run(args)
-    except (ValueError, OSError, KeyError) as e:
+        if args.json:
+            print(json.dumps(result))
+        sys.stdout.flush()    # here, not at exit: a full disk must be this one line
+    except KeyboardInterrupt:
+        quiet_stdout()        # what was streamed stays; the rest is not wanted
+        return 130
+    except BrokenPipeError:   # the reader closed the pipe (| head): it has all it wanted
+        quiet_stdout()
+        return 141
+    except OSError as e:
+        quiet_stdout()
         print(f"error: {e}", file=sys.stderr)
         return 2
-    if args.json:
-        print(json.dumps(result))
-    else:
-        hist = " ".join(f"{k}:{v}" for k, v in result["step_lengths"].items())
-        acc = "" if result["acceptance"] is None else \
-            f" | acceptance {result['acceptance']:.2f} | hit rate {result['hit_rate']:.2f}"
+    except (ValueError, KeyError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    hist = " ".join(f"{k}:{v}" for k, v in result["step_lengths"].items())
+    acc = "" if result["acceptance"] is None else \
+        f" | acceptance {result['acceptance']:.2f} | hit rate {result['hit_rate']:.2f}"
+    if not args.json:
         print(f"[{result['decoder']}] {result['n_tokens']} tokens | {result['n_forwards']} forwards | "
               f"{result['tokens_per_forward']:.2f} tok/forward | prefill {result['prefill_seconds']:.2f} s | "
               f"decode {result['decode_tokens_per_second']:.1f} tok/s{acc} | tokens per step {hist}",
@@ -207,5 +323,23 @@ def main(argv: list[str] | None = None) -> int:
     return 0
 
 
+def quiet_stdout() -> None:
+    """Make the exit-time flush of stdout harmless once writing to it has failed or stopped.
+
+    subtle: Python flushes sys.stdout at exit, and a failing flush there prints "Exception
+    ignored ... BrokenPipeError" and exits 120; pointing fd 1 at /dev/null ends that.
+    """
+    try:
+        sys.stdout.flush()
+    except (OSError, ValueError):
+        pass
+    try:
+        if sys.stdout is sys.__stdout__:   # only the real stdout (not a test's capture)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+    except (OSError, ValueError):
+        pass
+
+
 if __name__ == "__main__":
+    signal.signal(signal.SIGINT, signal.default_int_handler)   # KeyboardInterrupt from here on
     sys.exit(main())

@@ -31,12 +31,20 @@ class Sampler:
     top_p: float = 1.0         # 1 = off
 
     def __post_init__(self):
-        if not self.temperature >= 0:
-            raise ValueError(f"temperature must be >= 0, got {self.temperature}")
-        if self.top_k < 0:
-            raise ValueError(f"top-k must be >= 0, got {self.top_k}")
-        if not 0 < self.top_p <= 1:
-            raise ValueError(f"top-p must be in (0, 1], got {self.top_p}")
+        t = self.temperature
+        if isinstance(t, bool) or not isinstance(t, (int, float)) or not 0 <= t < float("inf"):
+            raise ValueError(f"temperature must be a finite number >= 0, got {t!r}")
+        # subtle: a subnormal t (1e-310) makes logits / t infinite and softmax NaN, which would
+        # sample garbage without a word; below 1e-4 the law is argmax up to ties anyway
+        if 0 < t < 1e-4:
+            raise ValueError(f"temperature {t:g} is below 1e-4: that is greedy up to rounding "
+                             "(and overflows nearer 0); pass 0 for greedy")
+        # subtle: bool is an int, and top_k=2.5 would be compared, never used as a count
+        if isinstance(self.top_k, bool) or not isinstance(self.top_k, int) or self.top_k < 0:
+            raise ValueError(f"top-k must be an integer >= 0, got {self.top_k!r}")
+        if isinstance(self.top_p, bool) or not isinstance(self.top_p, (int, float)) \
+                or not 0 < self.top_p <= 1:
+            raise ValueError(f"top-p must be a number in (0, 1], got {self.top_p!r}")
 
     @property
     def greedy(self) -> bool:
@@ -70,6 +78,10 @@ class Random:
     """Seeded, position-keyed uniforms: u(stream, position) is fixed by (seed, stream, position)."""
 
     def __init__(self, seed: int = 0):
+        # the seed is written into every key's string: a float or a tuple would run but give
+        # draws no other caller could reproduce by the documented integer seed
+        if isinstance(seed, bool) or not isinstance(seed, int) or not -2**63 <= seed < 2**64:
+            raise ValueError(f"seed must be an integer in [-2^63, 2^64), got {seed!r}")
         self.seed = seed
 
     def uniform(self, stream: str, position: int) -> float:
@@ -116,10 +128,11 @@ def check_probs(rows: Tensor, name: str) -> None:
         return
     tol = PROB_TOL if rows.dtype == torch.float64 else 1e-4
     x = rows.double()
-    ok = torch.isfinite(x).all() & (x >= 0).all() & ((x.sum(-1) - 1).abs() <= tol).all()
-    if not ok:
+    sums = x.sum(-1)
+    # a NaN or inf anywhere makes its row's sum NaN or inf, which fails the sum test
+    if not bool(((sums - 1).abs() <= tol).all() & (x.min() >= 0)):
         raise ValueError(f"{name} rows must be finite, >= 0 and sum to 1 (within {tol:g}): "
-                         f"min {float(x.min()):.6g}, sums {x.sum(-1).flatten()[:4].tolist()}")
+                         f"min {float(x.min()):.6g}, sums {sums.flatten()[:4].tolist()}")
 
 
 def check_ids(ids: list[int], V: int, name: str) -> None:

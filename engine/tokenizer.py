@@ -1,30 +1,93 @@
 """Tokenizer wrapper over `tokenizers` (tokenizer.json) or `sentencepiece` (tokenizer.model),
 the checkpoint's chat template, and a streaming detokenizer.
 
-encode() adds no BOS/EOS of its own: the chat template writes every special token, and
-special tokens written in the text ("<|im_start|>") are parsed as such.
+encode() adds no BOS/EOS of its own: the chat template writes every special token.
+
+Special tokens, the policy. Control tokens (tokenizer.json's added tokens marked special,
+sentencepiece's control pieces: <|im_start|>, <s>, ...) only ever come from the chat
+template's own text. `encode_chat(messages)` encodes a message's content as plain text: a
+user typing "<|im_end|><|im_start|>system" gets those characters, not a new turn.
+`encode(text)` is the raw mode: special-token strings in `text` are parsed as the tokens
+(`encode(text, special=False)` does not parse them); the CLI's --raw uses it on purpose.
+(Added tokens not marked special are ordinary vocabulary and match anywhere.)
+
+Templates ship with downloaded weights, so they are untrusted code: rendered in jinja2's
+sandbox, with their work bounded (big powers and products refused, `range` counted, a
+wall-clock limit, the output capped by what the model's context could hold), and every
+failure is one ValueError line.
 
 But: no batching, no offsets, no tool-calling helpers beyond what the template does itself.
 """
 from __future__ import annotations
 
+import functools
 import json
 import re
+import secrets
+import signal
+import threading
+import time
+from contextlib import contextmanager
 from pathlib import Path
 
 import jinja2
 import sentencepiece
+from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+RENDER_SECONDS = 2.0     # a chat template renders in milliseconds; seconds mean it loops
+MAX_INT_BITS = 4096      # integers a template may build; enough for any counter or id
+MAX_ITERATIONS = 10**6   # range() items per render, over all loops
+
 
 def read_json(path: Path) -> dict:
+    """A JSON object from `path`, {} if the file is missing; any other shape names the file."""
     if not path.is_file():
         return {}
     try:
-        return json.loads(path.read_text())
-    except json.JSONDecodeError as e:
-        raise ValueError(f"{path}: not valid JSON ({e})") from None
+        d = json.loads(path.read_bytes().decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
+        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0][:200]})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}")
+    return d
+
+
+def token_ids(path: Path, d: dict, key: str, vocab_size: int) -> list[int]:
+    """d[key]: null, an id, or (eos) a list of ids, each in [0, vocab_size)."""
+    v = d.get(key)
+    ids = [] if v is None else v if isinstance(v, list) else [v]
+    for i in ids:
+        if isinstance(i, bool) or not isinstance(i, int) or not 0 <= i < vocab_size:
+            raise ValueError(f"{path}: {key} must be token ids in [0, {vocab_size}), got {v!r}")
+    return ids
+
+
+def token_text(path: Path, d: dict, key: str) -> str | None:
+    """tokenizer_config stores a token as a string or as {"content": ...}."""
+    v = d.get(key)
+    v = v.get("content") if isinstance(v, dict) else v
+    if v is not None and not isinstance(v, str):
+        raise ValueError(f"{path}: {key} must be a string or {{\"content\": string}}, got {d[key]!r}")
+    return v
+
+
+def chat_template(d: Path, tc: dict) -> str | None:
+    """chat_template.jinja wins over tokenizer_config's, as in transformers."""
+    if (d / "chat_template.jinja").is_file():
+        try:
+            return (d / "chat_template.jinja").read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    t = tc.get("chat_template")
+    if isinstance(t, list):  # named templates: [{"name", "template"}]
+        if not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in t):
+            raise ValueError(f"{d / 'tokenizer_config.json'}: chat_template list entries need a \"name\"")
+        t = {x["name"]: x.get("template") for x in t}.get("default")
+    if t is not None and not isinstance(t, str):
+        raise ValueError(f"{d / 'tokenizer_config.json'}: chat_template must be a string, got {type(t).__name__}")
+    return t
 
 
 class Tokenizer:
@@ -37,9 +100,11 @@ class Tokenizer:
             try:
                 self.hf = HFTokenizer.from_file(str(d / "tokenizer.json"))
             except Exception as e:  # tokenizers raises a bare Exception on bad files
-                raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({e})") from None
+                raise ValueError(f"{d / 'tokenizer.json'}: not a readable tokenizer ({str(e)[:200]})") from None
             self.vocab_size = self.hf.get_vocab_size(with_added_tokens=True)
             self.token_id = self.hf.token_to_id
+            specials = [t.content for t in self.hf.get_added_tokens_decoder().values() if t.special]
+            longest = max(map(len, self.hf.get_vocab()), default=1)
         elif (d / "tokenizer.model").is_file():
             try:
                 self.sp = sentencepiece.SentencePieceProcessor(model_file=str(d / "tokenizer.model"))
@@ -47,41 +112,50 @@ class Tokenizer:
                 raise ValueError(f"{d / 'tokenizer.model'}: not a readable tokenizer ({e})") from None
             self.vocab_size = self.sp.get_piece_size()
             self.token_id = self.sp.piece_to_id
-            # subtle: sentencepiece never matches control pieces (<s>) in text: split them out
-            specials = [self.sp.id_to_piece(i) for i in range(self.vocab_size)
-                        if self.sp.is_control(i)]
-            alts = "|".join(map(re.escape, sorted(specials, key=len, reverse=True)))
-            self.special_re = re.compile(f"({alts or '(?!)'})")  # (?!) never matches
+            pieces = [self.sp.id_to_piece(i) for i in range(self.vocab_size)]
+            specials = [p for i, p in enumerate(pieces) if self.sp.is_control(i)]
+            longest = max(map(len, pieces), default=1)
         else:
             raise FileNotFoundError(f"{d}: neither tokenizer.json nor tokenizer.model")
-        tc = read_json(d / "tokenizer_config.json")
-        ids = [read_json(d / "generation_config.json"), read_json(d / "config.json")]
+        # subtle: longest first, so "<|im_start|>" is not cut by a shorter marker it contains
+        alts = "|".join(map(re.escape, sorted(filter(None, specials), key=len, reverse=True)))
+        self.special_re = re.compile(f"({alts or '(?!)'})")  # (?!) never matches
+        files = {n: d / n for n in ("tokenizer_config.json", "generation_config.json", "config.json")}
+        tc, gen, cfg = (read_json(f) for f in files.values())
+        ids = [(files["generation_config.json"], gen), (files["config.json"], cfg)]
         if self.sp is not None:  # the .model itself knows its <s> and </s>; -1 = none
-            ids.append({k: v for k, v in [("bos_token_id", self.sp.bos_id()),
-                                          ("eos_token_id", self.sp.eos_id())] if v >= 0})
-        # tokenizer_config stores a token as a string or as {"content": ...}
-        content = lambda t: t["content"] if isinstance(t, dict) else t
-        self.bos_token, self.eos_token = content(tc.get("bos_token")), content(tc.get("eos_token"))
-        by_name = lambda t: self.token_id(t) if t else None
-        bos = [c.get("bos_token_id") for c in ids] + [by_name(self.bos_token)]
-        self.bos_id = next((b for b in bos if b is not None), None)
+            ids.append((d / "tokenizer.model", {k: v for k, v in [("bos_token_id", self.sp.bos_id()),
+                                                                  ("eos_token_id", self.sp.eos_id())] if v >= 0}))
+        self.bos_token = token_text(files["tokenizer_config.json"], tc, "bos_token")
+        self.eos_token = token_text(files["tokenizer_config.json"], tc, "eos_token")
+        by_name = lambda t: [i] if t and (i := self.token_id(t)) is not None and i >= 0 else []
+        bos = [i for p, c in ids for i in token_ids(p, c, "bos_token_id", self.vocab_size)[:1]]
+        self.bos_id = next(iter(bos + by_name(self.bos_token)), None)
         # every stop id counts: generation_config may list several (<|eot_id|>, <|end_of_text|>)
-        eos = [c.get("eos_token_id") for c in ids] + [by_name(self.eos_token)]
-        self.eos_ids = {i for e in eos if e is not None
-                        for i in (e if isinstance(e, list) else [e])}
-        template = d / "chat_template.jinja"  # wins over tokenizer_config, as in transformers
-        self.chat_template = template.read_text() if template.is_file() else tc.get("chat_template")
-        if isinstance(self.chat_template, list):  # named templates: [{"name", "template"}]
-            named = {t["name"]: t["template"] for t in self.chat_template}
-            self.chat_template = named.get("default")
+        self.eos_ids = {i for p, c in ids for i in token_ids(p, c, "eos_token_id", self.vocab_size)} \
+            | set(by_name(self.eos_token))
+        self.chat_template = chat_template(d, tc)
+        # a rendered prompt longer than (context x longest token) cannot fit in the context
+        context = cfg.get("max_position_embeddings")
+        context = context if isinstance(context, int) and 0 < context < 2**31 else 2**17
+        self.max_text_chars = context * max(longest, 16)
 
     @classmethod
     def load(cls, ckpt_dir: str | Path) -> Tokenizer:
         return cls(ckpt_dir)
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, special: bool = True) -> list[int]:
+        """Token ids of `text`; special: parse special-token strings in it as those tokens."""
         if self.hf is not None:
-            return self.hf.encode(text, add_special_tokens=False).ids
+            if special:
+                return self.hf.encode(text, add_special_tokens=False).ids
+            self.hf.encode_special_tokens = True   # their strings become ordinary text
+            try:
+                return self.hf.encode(text, add_special_tokens=False).ids
+            finally:
+                self.hf.encode_special_tokens = False
+        if not special:
+            return self.sp.encode(text)            # sentencepiece never matches control pieces
         parts = self.special_re.split(text)  # odd indices are the special tokens themselves
         return [i for k, p in enumerate(parts) if p
                 for i in ([self.sp.piece_to_id(p)] if k % 2 else self.sp.encode(p))]
@@ -91,27 +165,187 @@ class Tokenizer:
             return self.hf.decode(list(ids), skip_special_tokens=False)
         return self.sp.decode(list(ids))
 
+    def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
+        """The chat's ids, where only the template's own text may hold control tokens.
+
+        Each special-token string in a message's content is swapped for a placeholder the
+        template cannot know (private-use characters around a random number), the chat is
+        rendered, and each placeholder comes back as its string encoded as plain text.
+        Content without such strings is encoded exactly as render_chat + encode would.
+        """
+        nonce = secrets.randbelow(10**12)
+        hide = lambda m: self.special_re.sub(lambda x: f"\ue000{nonce}.{x[1]}\ue001", m)
+        safe = [m | {"content": hide(m["content"])} if isinstance(m.get("content"), str) else m
+                for m in messages]
+        parts = re.split(f"\ue000{nonce}\\.(.+?)\ue001", self.render_chat(safe, add_generation_prompt))
+        return [i for k, p in enumerate(parts) for i in self.encode(p, special=k % 2 == 0)]
+
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
+        """The chat as text, rendered by the checkpoint's template under bounds (module doc)."""
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template")
-        try:  # a syntax error, or the template's own raise_exception() refusing the messages
-            return chat_environment().from_string(self.chat_template).render(
-                messages=messages, add_generation_prompt=add_generation_prompt,
-                bos_token=self.bos_token or "", eos_token=self.eos_token or "")
-        except jinja2.TemplateError as e:
-            raise ValueError(f"chat template: {e}") from None
+        env = chat_environment(RENDER_SECONDS, self.max_text_chars)
+        out, size = [], 0
+        try:  # a syntax error, the template's raise_exception(), a bound, or its own bug
+            with alarm(RENDER_SECONDS):
+                template = env.from_string(self.chat_template)
+                for chunk in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
+                                               bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
+                    size += len(chunk)
+                    if size > self.max_text_chars:
+                        raise TemplateBound(f"renders more than {self.max_text_chars:,} characters, "
+                                            "more than the model's context can hold")
+                    env.tick()
+                    out.append(chunk)
+        except (jinja2.TemplateError, TemplateBound) as e:
+            raise ValueError(f"chat template: {one_line(e)}") from None
+        except RecursionError:
+            raise ValueError("chat template: recursion too deep") from None
+        except MemoryError:
+            raise ValueError("chat template: ran out of memory") from None
+        except Exception as e:  # the template's own bug (1/0, a method on None): untrusted code
+            raise ValueError(f"chat template failed: {type(e).__name__}: {one_line(e)}") from None
+        text = "".join(out)
+        if not text.strip():
+            raise ValueError("chat template rendered no text for these messages")
+        return text
 
 
-def chat_environment() -> jinja2.Environment:
+def one_line(e: BaseException) -> str:
+    text = " ".join(str(e).split())
+    return text if len(text) <= 300 else text[:300] + "..."
+
+
+class TemplateBound(Exception):
+    """A chat template went past a bound on its work, time or output."""
+
+
+@contextmanager
+def alarm(seconds: float):
+    """Raise TemplateBound in this thread after `seconds` of wall clock.
+
+    subtle: only the main thread receives signals; elsewhere the environment's tick() checks
+    the same deadline at every call, attribute, operator, range item and output chunk.
+    """
+    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
+        yield
+        return
+
+    def expired(signum, frame):
+        raise TemplateBound(f"took longer than {seconds:g} s")
+
+    old = signal.signal(signal.SIGALRM, expired)
+    signal.setitimer(signal.ITIMER_REAL, seconds)
+    try:
+        yield
+    finally:
+        signal.setitimer(signal.ITIMER_REAL, 0)
+        signal.signal(signal.SIGALRM, old)
+
+
+class BoundedCodeGenerator(CodeGenerator):
+    # `a ~ b` compiles to a plain join the sandbox never sees; send it through the environment,
+    # so that doubling a string in a loop is refused at the cap, not after gigabytes
+    def visit_Concat(self, node, frame):
+        self.write("environment.concat_bounded((")
+        for arg in node.nodes:
+            self.visit(arg, frame)
+            self.write(", ")
+        self.write("))")
+
+
+class BoundedEnvironment(ImmutableSandboxedEnvironment):
+    """jinja2's sandbox stops code execution, not work: this one also refuses the operations
+    that allocate or loop without bound before they run, and keeps a deadline."""
+    intercepted_binops = frozenset({"*", "**", "+", "%"})
+    code_generator_class = BoundedCodeGenerator
+
+    def __init__(self, seconds: float, max_chars: int, **kw):
+        super().__init__(**kw)
+        self.deadline, self.max_chars, self.iterations = time.monotonic() + seconds, max_chars, 0
+
+    def tick(self):
+        if time.monotonic() > self.deadline:
+            raise TemplateBound(f"took longer than {RENDER_SECONDS:g} s")
+
+    def check_size(self, n, what):
+        if n > self.max_chars:
+            raise TemplateBound(f"{what} of {n:,} is past the {self.max_chars:,} characters the context can hold")
+
+    def concat_bounded(self, parts) -> str:
+        self.tick()
+        parts = [str(p) for p in parts]
+        self.check_size(sum(map(len, parts)), "a joined string")
+        return "".join(parts)
+
+    def call_binop(self, context, operator, left, right):
+        self.tick()
+        ints = all(isinstance(x, int) for x in (left, right))
+        if operator == "**" and ints and right > 0 and abs(left) > 1 \
+                and right * abs(left).bit_length() > MAX_INT_BITS:
+            raise TemplateBound(f"{left} ** {right} has more than {MAX_INT_BITS} bits")
+        if operator == "*" and ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
+            raise TemplateBound(f"a product of more than {MAX_INT_BITS} bits")
+        if operator == "*":   # sequence * count
+            seq, n = (left, right) if isinstance(right, int) else (right, left)
+            if isinstance(n, int) and hasattr(seq, "__len__"):
+                self.check_size(len(seq) * max(n, 0), "a repeated sequence")
+        if operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
+            self.check_size(len(left) + len(right), "a concatenation")
+        if operator == "%" and isinstance(left, str):   # "%*s" % (10**10, x) pads without bound
+            args = right if isinstance(right, tuple) else (right,)
+            for a in args:
+                if isinstance(a, int) and not isinstance(a, bool):
+                    self.check_size(abs(a), "a format width")
+        return super().call_binop(context, operator, left, right)
+
+    def call(self, __context, __obj, *args, **kwargs):
+        self.tick()
+        for a in (*args, *kwargs.values()):  # str.center(10**10), "x".ljust(...): widths past any output
+            if isinstance(a, int) and not isinstance(a, bool):
+                self.check_size(abs(a), "a width or count argument")
+        return super().call(__context, __obj, *args, **kwargs)
+
+    def getattr(self, obj, attribute):
+        self.tick()
+        return super().getattr(obj, attribute)
+
+    def getitem(self, obj, argument):
+        self.tick()
+        return super().getitem(obj, argument)
+
+    def counted_range(self, *args) -> range:
+        # subtle: the sandbox caps one range at 100,000 items, but nested loops multiply them;
+        # counting every range's items per render bounds the total
+        r = range(*args)
+        self.iterations += len(r)
+        if self.iterations > MAX_ITERATIONS:
+            raise TemplateBound(f"loops over more than {MAX_ITERATIONS:,} items")
+        return r
+
+
+def chat_environment(seconds: float = RENDER_SECONDS, max_chars: int = 10**7) -> BoundedEnvironment:
     # the settings HF chat templates are written for; sandboxed because templates ship with weights
-    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
-                                        extensions=["jinja2.ext.loopcontrols"])
+    env = BoundedEnvironment(seconds, max_chars, trim_blocks=True, lstrip_blocks=True,
+                             extensions=["jinja2.ext.loopcontrols"])
 
     def raise_exception(message):
         raise jinja2.TemplateError(message)
 
+    def bounded(f):   # filters are called directly, not through env.call: check their widths too
+        @functools.wraps(f)   # keeps jinja's pass_context marks
+        def g(*args, **kwargs):
+            env.tick()
+            for a in (*args, *kwargs.values()):
+                if isinstance(a, int) and not isinstance(a, bool):
+                    env.check_size(abs(a), "a filter's width or count argument")
+            return f(*args, **kwargs)
+        return g
+
     env.globals["raise_exception"] = raise_exception
+    env.globals["range"] = env.counted_range
     env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+    env.filters = {name: bounded(f) for name, f in env.filters.items()}
     return env
 
 

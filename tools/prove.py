@@ -1,0 +1,351 @@
+"""Certify a sampler: is the law of the tokens it emits the target law?
+
+Two modes, one verdict table (`python -m tools.prove --help`):
+
+- exact (white-box): the sampler draws through an injected random source (the engine's
+  `Random` protocol: categorical / bernoulli keyed by (stream, position)); tools/exact_law.py
+  walks every branch of those draws, so the law of the first n tokens comes out exactly and
+  must match the target's to 1e-12.
+- stat (black-box): the sampler uses any RNG it likes. We draw N independent runs, count the
+  m possible n-token outcomes and compare the empirical law P^ with the exact target law P:
+      TV^ = 1/2 sum_s |P^(s) - P(s)| = max over sets A of P^(A) - P(A)
+      P(TV^ >= eps) <= (2^m - 2) exp(-2 N eps^2)        under P (Hoeffding on each of the
+                                                         2^m - 2 proper sets A, union bound;
+                                                         Bretagnolle-Huber-Carol)
+  so we fail when TV^ > eps = sqrt(ln((2^m - 2) / alpha) / (2N)), alpha = 1e-6: a false alarm
+  rate <= 1e-6 for any N, no asymptotics. Power: if TV(law, P) = d, Hoeffding on the set A*
+  where law > P gives TV^ >= d - sqrt(ln(1/beta) / (2N)) with probability >= 1 - beta, so
+  every d >= eps + sqrt(ln(100) / (2N)) is caught with probability >= 0.99 ("detects" below).
+  An outcome of target probability 0 (or a token outside [0, V)) fails at once.
+
+Targets and drafts are toy LMs: seeded random logits per prefix (`TableLM`), through the
+engine's `Sampler` (temperature, top-k, top-p), or a tiny float64 Llama for the engine's own
+decoders. A speculative verifier (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
+arXiv 2302.01318) is driven by a loop that drafts K tokens from q, asks the verifier, and
+appends what it returns, until n tokens are out.
+"""
+from __future__ import annotations
+
+import argparse
+import importlib
+import inspect
+import json
+import math
+import sys
+from dataclasses import asdict, dataclass
+from typing import Callable, Iterator
+
+import torch
+
+from engine.generate import Step
+from engine.sampling import Random, Sampler, verify_rejection
+from tools.exact_law import decoder_law, max_gap, reference_law
+
+ALPHA, BETA, TOL = 1e-6, 0.01, 1e-12
+
+
+@dataclass
+class Verdict:
+    sampler: str
+    mode: str                  # "exact" or "stat"
+    passed: bool
+    gap: float                 # exact: max |P_sampler(s) - P(s)|; stat: TV^ estimate
+    threshold: float           # exact: 1e-12; stat: eps at false-alarm rate alpha
+    p_value: float | None      # stat: (2^m - 2) exp(-2 N TV^2), capped at 1; exact: None
+    samples: int | None        # stat: N
+    outcomes: int              # m, outcomes of positive target probability
+    detects: float | None      # stat: smallest TV caught with probability >= 0.99
+    note: str = ""
+
+
+# --------------------------------------------------------------------------- toy laws
+
+class TableLM:
+    """Any next-token law: seeded random logits per prefix, through a Sampler; prefix -> (V,)."""
+
+    def __init__(self, seed: int, V: int, sampler: Sampler, scale: float = 1.5):
+        self.seed, self.V, self.sampler, self.scale, self.memo = seed, V, sampler, scale, {}
+
+    def __call__(self, prefix: tuple) -> torch.Tensor:
+        if prefix not in self.memo:
+            g = torch.Generator().manual_seed(hash((self.seed,) + tuple(prefix)) % 2**31)
+            logits = torch.randn(self.V, generator=g, dtype=torch.float64) * self.scale
+            self.memo[prefix] = self.sampler.probs(logits)
+        return self.memo[prefix]
+
+
+def tiny_llama(seed: int, V: int, n_layers: int, scale: float = 1.5):
+    """A random float64 Llama (C=32, H=4, Hkv=2), weights drawn from `seed` (as tests/conftest.py)."""
+    from engine.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=48, vocab_size=V,
+                      rope_theta=10000.0, tie_embeddings=False)
+    model, g = Llama(cfg).double(), torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        if name.endswith("norm.weight"):
+            p.data = 1 + 0.1 * torch.randn(p.shape, generator=g, dtype=p.dtype)
+        else:
+            p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale / p.shape[-1] ** 0.5
+    model.tok_embeddings.weight.data *= p.shape[-1] ** 0.5 / 4
+    return model.requires_grad_(False)
+
+
+def llama_lm(model, prompt: list[int], sampler: Sampler) -> Callable[[tuple], torch.Tensor]:
+    """The plain sampler's law after prompt + prefix, from a full forward without any cache."""
+    def next_probs(prefix):
+        tokens = torch.tensor([prompt + list(prefix)])
+        return sampler.probs(model(tokens, torch.arange(tokens.shape[1]))[0, -1])
+    return next_probs
+
+
+# --------------------------------------------------------------------------- exact (white-box)
+
+def spec_run(verify, target, draft, K: int, prompt=()):
+    """rng -> the speculative loop over LMs (prefix -> probs), all draws through rng."""
+    def run(rng) -> Iterator[Step]:
+        seq = list(prompt)
+        while True:
+            n, drafts = len(seq), []
+            qs = []
+            for i in range(K):
+                qs.append(draft(tuple(seq + drafts)))
+                drafts.append(rng.categorical(qs[-1], "draft", n + i))
+            p = torch.stack([target(tuple(seq + drafts[:i])) for i in range(K + 1)])     # (K+1, V)
+            q = torch.stack(qs) if K else p[:0]                                          # (K, V)
+            out = verify(p, q, drafts, rng, n)
+            seq += out
+            yield Step(out)
+    return run
+
+
+def certify_exact(name: str, run, law: dict, n: int) -> Verdict:
+    """run(rng) -> iterator of Steps; law: the target law of the first n tokens."""
+    got = decoder_law(run, n)
+    gap = max_gap(got, law)
+    return Verdict(name, "exact", gap < TOL, gap, TOL, None, None, sum(v > 0 for v in law.values()), None)
+
+
+# --------------------------------------------------------------------------- stat (black-box)
+
+def threshold(N: int, m: int, alpha: float = ALPHA) -> float:
+    """eps with (2^m - 2) exp(-2 N eps^2) = alpha (m >= 2)."""
+    return math.sqrt((math.log(2.0 ** m - 2) - math.log(alpha)) / (2 * N))
+
+
+def detects(N: int, m: int, alpha: float = ALPHA, beta: float = BETA) -> float:
+    """The smallest TV caught with probability >= 1 - beta (see the module docstring)."""
+    return threshold(N, m, alpha) + math.sqrt(math.log(1 / beta) / (2 * N))
+
+
+def certify_samples(name: str, samples: torch.Tensor, law: dict, V: int, alpha: float = ALPHA) -> Verdict:
+    """samples (N, n) token ids, one independent run per row; law over n-tuples of [0, V)."""
+    N, n = samples.shape
+    outcomes = sorted(s for s, v in law.items() if v > 0)
+    m = max(len(outcomes), 2)
+    eps, power = threshold(N, m, alpha), detects(N, m, alpha)
+    if ((samples < 0) | (samples >= V)).any():
+        bad = int(samples[(samples < 0) | (samples >= V)][0])
+        return Verdict(name, "stat", False, 1.0, eps, 0.0, N, m, power, f"emitted token {bad} outside [0, {V})")
+    idx = (samples * V ** torch.arange(n - 1, -1, -1)).sum(-1)                             # (N,)
+    counts = torch.bincount(idx, minlength=V ** n).double()                                # (V^n,)
+    P = torch.zeros(V ** n, dtype=torch.float64)
+    for s in outcomes:
+        P[sum(x * V ** (n - 1 - j) for j, x in enumerate(s))] = law[s]
+    tv = 0.5 * float((counts / N - P).abs().sum())
+    if (counts[P == 0] > 0).any():
+        return Verdict(name, "stat", False, tv, eps, 0.0, N, m, power, "emitted an outcome of target probability 0")
+    p_value = min(1.0, math.exp(math.log(2.0 ** m - 2) - 2 * N * tv * tv))
+    return Verdict(name, "stat", tv <= eps, tv, eps, p_value, N, m, power)
+
+
+def spec_samples(verify, target, draft, K: int, n: int, N: int, seed: int = 0, prompt=()) -> torch.Tensor:
+    """N independent runs of the speculative loop with a black-box verify(p, q, drafts) -> tokens.
+
+    Drafts come from q through our own generator; the verifier may use any RNG it likes.
+    """
+    g, rows = torch.Generator().manual_seed(seed), []
+    for _ in range(N):
+        seq = list(prompt)
+        while len(seq) < len(prompt) + n:
+            drafts, qs = [], []
+            for i in range(K):
+                qs.append(draft(tuple(seq + drafts)))
+                drafts.append(int(torch.multinomial(qs[-1], 1, generator=g)))
+            p = torch.stack([target(tuple(seq + drafts[:i])) for i in range(K + 1)])
+            out = [int(x) for x in verify(p, torch.stack(qs) if K else p[:0], drafts)]
+            if not out:
+                raise ValueError("the verifier returned no token")
+            if any(not 0 <= x < p.shape[1] for x in out):   # outside the vocab: certify_samples says so
+                seq += out
+                break
+            seq += out
+        rows.append((seq[len(prompt):] + [-1] * n)[:n])
+    return torch.tensor(rows, dtype=torch.long)
+
+
+def planted(law: dict, tv: float, toward: str, V: int, n: int):
+    """A batched sampler whose law is exactly tv away from `law`: P_d = P + d (Q - P) / TV(P, Q).
+
+    toward "mode": Q = all mass on the likeliest outcome (the always-accept kind of bias);
+    toward "uniform": Q = uniform over P's support (a too-flat sampler).
+    """
+    keys = sorted(law)
+    P = torch.tensor([law[s] for s in keys], dtype=torch.float64)
+    if toward == "mode":
+        Q = torch.zeros_like(P).index_fill_(0, P.argmax(), 1.0)
+    else:
+        Q = (P > 0).double() / (P > 0).sum()
+    span = 0.5 * float((Q - P).abs().sum())
+    if tv > span:
+        raise ValueError(f"a planted bias of TV {tv} toward {toward} needs TV(P, Q) >= {tv}, have {span:.4f}")
+    Pd = P + tv * (Q - P) / span if tv else P
+    table = torch.tensor(keys, dtype=torch.long)                                           # (m, n)
+
+    def sample(N: int, seed: int) -> torch.Tensor:
+        g = torch.Generator().manual_seed(seed)
+        return table[torch.multinomial(Pd, N, replacement=True, generator=g)]              # (N, n)
+    return sample
+
+
+# --------------------------------------------------------------------------- built-in samplers
+
+def hf_speculative(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> list[int]:
+    """HF transformers' `_speculative_sampling` (assisted generation, do_sample), fed p and q as
+    log-probabilities in float32, as a model's logits would be; torch's global RNG decides."""
+    from transformers.generation.utils import _speculative_sampling
+    K = len(drafts)
+    if K < 1:
+        raise ValueError("hf-speculative needs --draft-len >= 1 (it slices the last K ids)")
+    ids = torch.tensor([[0] + list(drafts)])                                     # (1, 1 + K)
+    tokens, _ = _speculative_sampling(ids, q.log().float()[None], K, p.log().float()[None])
+    return tokens[0].tolist()
+
+
+def load(spec: str) -> Callable:
+    """'module:function' -> the function; a one-line ValueError otherwise."""
+    mod, _, fn = spec.partition(":")
+    if not mod or not fn:
+        raise ValueError(f"sampler {spec!r}: expected a built-in name or module:function")
+    try:
+        return getattr(importlib.import_module(mod), fn)
+    except (ImportError, AttributeError) as e:
+        raise ValueError(f"sampler {spec!r}: {e}") from None
+
+
+def white_box(f: Callable) -> bool:
+    """verify(p, q, drafts, rng, position) draws through rng; verify(p, q, drafts) does not."""
+    try:
+        return len(inspect.signature(f).parameters) >= 5
+    except (TypeError, ValueError):
+        return False
+
+
+def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: int, seed: int) -> Verdict:
+    """One sampler by name: engine-*, hf-speculative, planted:TV[:mode|uniform], module:function."""
+    target, draft, prompt = TableLM(11, V, sampler), TableLM(22, V, sampler), ()
+    law = reference_law(lambda pre: target(tuple(prompt) + pre), n)
+    if spec.startswith("planted:"):
+        _, tv, *toward = spec.split(":")
+        sample = planted(law, float(tv), (toward or ["mode"])[0], V, n)
+        return certify_samples(spec, sample(N, seed), law, V)
+    if spec in ("engine-plain", "engine-speculative", "engine-coupled", "engine-lookahead"):
+        if mode != "exact":
+            raise ValueError(f"{spec} runs on a tiny Llama in --exact mode only")
+        return certify_engine_decoder(spec, V, n, K, sampler)
+    if spec == "engine-rejection":
+        f = verify_rejection
+    elif spec == "hf-speculative":
+        f = hf_speculative
+    else:
+        f = load(spec)
+    if mode == "exact" and not white_box(f):
+        raise ValueError(f"{spec}: --mode exact needs verify(p, q, drafts, rng, position) drawing through rng")
+    if spec == "hf-speculative" and K < 1:
+        raise ValueError("hf-speculative needs --draft-len >= 1 (it slices the last K ids)")
+    try:   # from here on an exception is the sampler's failure, not bad input
+        if mode == "exact":
+            return certify_exact(spec, spec_run(f, target, draft, K, prompt), law, n)
+        if white_box(f):   # a white-box verifier run black-box: a fresh seeded Random per call
+            seeds, g = iter(range(seed * 10**9, 10**18)), f
+            f = lambda p, q, d: g(p, q, d, Random(next(seeds)), 0)  # noqa: E731
+        torch.manual_seed(seed)   # black-box samplers on torch's global RNG: a run is reproducible
+        return certify_samples(spec, spec_samples(f, target, draft, K, n, N, seed, prompt), law, V)
+    except Exception as e:  # noqa: BLE001
+        return Verdict(spec, mode, False, float("nan"), float("nan"), None, None, 0, None,
+                       f"the sampler raised {type(e).__name__}: {e}")
+
+
+def certify_engine_decoder(spec: str, V: int, n: int, K: int, sampler: Sampler) -> Verdict:
+    """The engine's own decoders on tiny float64 Llamas, exactly (as tests/test_proofs.py)."""
+    from engine import lookahead, speculative
+    from engine.generate import plain
+    target, draft = tiny_llama(5, V, 3), tiny_llama(6, V, 1)
+    prompt = [1 % V, 3 % V, 0]
+    law = reference_law(llama_lm(target, prompt, sampler), n)
+    runs = {
+        "engine-plain": lambda rng: plain(target, prompt, sampler=sampler, rng=rng, max_new_tokens=n),
+        "engine-speculative": lambda rng: speculative.decode(target, draft, prompt, sampler=sampler, rng=rng,
+                                                             max_new_tokens=n, num_draft=K),
+        "engine-coupled": lambda rng: speculative.decode(target, draft, prompt, sampler=sampler, rng=rng,
+                                                         max_new_tokens=n, num_draft=K, verify="coupled"),
+        "engine-lookahead": lambda rng: lookahead.decode(target, prompt, sampler=sampler, rng=rng,
+                                                         max_new_tokens=n, window=2, ngram=3, guesses=2),
+    }
+    return certify_exact(spec, runs[spec], law, n)
+
+
+# --------------------------------------------------------------------------- CLI
+
+class Parser(argparse.ArgumentParser):
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
+def table(verdicts: list[Verdict]) -> str:
+    rows = ["| sampler | mode | verdict | gap / TV^ | threshold | p-value | N | outcomes | detects TV >= |",
+            "|---|---|---|---|---|---|---|---|---|"]
+    for v in verdicts:
+        f = lambda x, spec: "-" if x is None else format(x, spec)  # noqa: E731
+        rows.append(f"| {v.sampler} | {v.mode} | {'PASS' if v.passed else 'FAIL'} | {v.gap:.3g} | "
+                    f"{v.threshold:.3g} | {f(v.p_value, '.3g')} | {f(v.samples, 'd')} | {v.outcomes} | "
+                    f"{f(v.detects, '.4f')} |" + (f" {v.note}" if v.note else ""))
+    return "\n".join(rows)
+
+
+def main(argv=None) -> int:
+    ap = Parser(prog="python -m tools.prove", description=__doc__.split("\n\n")[0])
+    ap.add_argument("samplers", nargs="+", metavar="SAMPLER",
+                    help="engine-rejection | engine-plain | engine-speculative | engine-coupled | "
+                         "engine-lookahead | hf-speculative | planted:TV[:mode|uniform] | module:function "
+                         "(verify(p, q, drafts[, rng, position]) -> tokens)")
+    ap.add_argument("--mode", choices=["exact", "stat"], default="exact")
+    ap.add_argument("--vocab", type=int, default=4, help="V (default 4)")
+    ap.add_argument("--tokens", type=int, default=2, help="n, positions whose joint law is checked")
+    ap.add_argument("--draft-len", type=int, default=2, help="K drafts per verifier call")
+    ap.add_argument("--samples", type=int, default=300_000, help="N runs in --mode stat")
+    ap.add_argument("--temperature", type=float, default=1.0)
+    ap.add_argument("--top-k", type=int, default=0)
+    ap.add_argument("--top-p", type=float, default=1.0)
+    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--json", action="store_true", help="one JSON list of verdicts instead of the table")
+    a = ap.parse_args(argv)
+    torch.set_num_threads(1)   # tiny tensors: thread hand-offs cost more than the math
+    try:
+        if not 2 <= a.vocab <= 64 or not 1 <= a.tokens or a.vocab ** a.tokens > 4096:
+            raise ValueError(f"need 2 <= V <= 64, n >= 1 and V^n <= 4096 outcomes, got V={a.vocab}, n={a.tokens}")
+        if a.draft_len < 0 or a.samples < 1:
+            raise ValueError("--draft-len must be >= 0 and --samples >= 1")
+        sampler = Sampler(a.temperature, a.top_k, a.top_p)
+        if sampler.greedy:
+            raise ValueError("--temperature must be > 0: a greedy law is a single point")
+        verdicts = [certify(s, a.mode, a.vocab, a.tokens, a.draft_len, sampler, a.samples, a.seed)
+                    for s in a.samplers]
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    clean = lambda d: {k: None if isinstance(x, float) and math.isnan(x) else x for k, x in d.items()}  # noqa: E731
+    print(json.dumps([clean(asdict(v)) for v in verdicts], indent=1) if a.json else table(verdicts))
+    return 0 if all(v.passed for v in verdicts) else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())

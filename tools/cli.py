@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import argparse
 import os
+import tempfile
 from pathlib import Path
 
 
@@ -15,10 +16,25 @@ class Parser(argparse.ArgumentParser):
 
 
 def write_atomic(path: Path, data: bytes) -> None:
-    # subtle: a reader (or a killed run) never sees half a file: write aside, then rename
-    tmp = path.with_name(path.name + ".tmp")
-    tmp.write_bytes(data)
-    tmp.replace(path)
+    # subtle: a reader (or a killed run) never sees half a file: write aside, then rename; the
+    # aside name is unique, so two runs writing the same file cannot clobber each other's
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            f.write(data)
+        os.chmod(tmp, 0o644)   # mkstemp makes it private; a report is meant to be read
+        os.replace(tmp, path)
+    except BaseException:
+        Path(tmp).unlink(missing_ok=True)
+        raise
+
+
+def at_most(p: argparse.ArgumentParser, args, limits: dict[str, int]) -> None:
+    """Each flag (dest name -> its upper bound) in [1, bound], else one error line, exit 2."""
+    for name, top in limits.items():
+        v = getattr(args, name)
+        if not 1 <= v <= top:
+            p.error(f"--{name.replace('_', '-')} must be in [1, {top}], got {v}")
 
 
 def out_dir(path: Path) -> Path:

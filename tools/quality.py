@@ -28,7 +28,7 @@ import torch
 from engine.decoders import DECODERS
 from engine.generate import generate
 from engine.llama import Llama
-from tools.cli import Parser, out_dir, write_atomic
+from tools.cli import Parser, at_most, out_dir, write_atomic
 from engine.sampling import Random, Sampler
 
 # short on purpose: the 135M model's answers wander off or stop early on long asks
@@ -215,17 +215,22 @@ def parser() -> argparse.ArgumentParser:
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parser().parse_args(argv)
-    if args.max_new_tokens < 1 or args.seeds < 1:
-        print("error: --max-new-tokens and --seeds must be >= 1", file=sys.stderr)
-        return 2
+    p = parser()
+    args = p.parse_args(argv)
+    at_most(p, args, {"seeds": 1000})   # each seed is a full pass over the sampled configs
     from tqdm import tqdm
     from engine.tokenizer import Tokenizer
-    from engine.weights import default_checkpoint, load_model
+    from engine.weights import default_checkpoint, load_config, load_model
     try:
-        ckpt = args.checkpoint or default_checkpoint()
+        if args.checkpoint == "":
+            raise ValueError("--checkpoint '' names no checkpoint")
+        ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
         tok = Tokenizer.load(ckpt)            # first: it names a missing checkpoint directory
-        out = out_dir(Path(args.out))
+        context = load_config(ckpt).max_seq_len
+        if not 1 <= args.max_new_tokens <= context:
+            raise ValueError(f"--max-new-tokens must be in [1, {context}] (the model's context), "
+                             f"got {args.max_new_tokens}")
+        out = out_dir(Path(args.out))         # last: nothing is made before the checks pass
         model = load_model(ckpt)
     except (ValueError, OSError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -1,0 +1,59 @@
+"""HF transformers' speculative sampler, certified black-box by tools/prove.py.
+
+Why it matters: users who outgrow this engine run the same algorithm in transformers'
+assisted generation; `_speculative_sampling` is the function that accepts or rejects the
+assistant's tokens when sampling, and it draws from torch's global RNG, so only the
+statistical mode can judge it. transformers is a pinned test extra (requirements-test.txt,
+installed by `make setup`); without it these tests skip locally but fail under CI=true.
+"""
+import os
+from pathlib import Path
+
+import pytest
+
+try:
+    import transformers
+    from transformers.generation.utils import _speculative_sampling
+except ImportError:
+    if os.environ.get("CI") == "true":
+        raise   # in CI a missing extra is a failure, never a silent skip
+    pytest.skip("transformers not installed (pip install -r requirements-test.txt)", allow_module_level=True)
+
+from engine.sampling import Sampler
+from tools import prove
+
+V, n = 4, 2
+N = 8000       # ~6 s per case; detects TV >= 0.056 (the full 300,000-run table is in docs/proofs.md)
+
+
+def test_the_installed_transformers_is_the_pinned_one():
+    pin = [line for line in Path("requirements-test.txt").read_text().splitlines() if line.startswith("transformers==")]
+    assert pin == [f"transformers=={transformers.__version__}"]
+
+
+@pytest.mark.parametrize("K,sampler", [(2, Sampler(1.0)), (1, Sampler(0.7, top_k=3))], ids=["K=2 t=1", "K=1 t=0.7 top-k=3"])
+def test_hf_speculative_sampling_keeps_the_target_law(K, sampler):
+    v = prove.certify("hf-speculative", "stat", V, n, K, sampler, N, 0)
+    assert v.passed and v.detects < 0.06, v
+
+
+def hf_told_q_is_p(p, q, drafts):
+    """A caller's bug, not HF's: the assistant's logits replaced by the target's."""
+    return prove.hf_speculative(p, p[:len(drafts)], drafts)
+
+
+def test_hf_fed_the_wrong_draft_law_fails():
+    # Why: shows this test can fail through HF's own function: with q := p every draft is
+    # accepted, so the tokens follow the draft's law, not the target's.
+    v = prove.certify("test_prove_hf:hf_told_q_is_p", "stat", V, n, 2, Sampler(1.0), 2000, 0)
+    assert not v.passed and v.p_value < 1e-6, v
+
+
+def test_hf_returns_the_drafts_it_accepts_and_one_more_token():
+    # Why: the adapter must hand HF's output back unchanged: with p = q all K drafts pass
+    # (ratio 1 >= r for r in [0, 1)), then the bonus token follows.
+    import torch
+    p = torch.full((3, V), 1 / V, dtype=torch.float64)
+    out = prove.hf_speculative(p, p[:2], [3, 1])
+    assert out[:2] == [3, 1] and len(out) == 3 and 0 <= out[2] < V
+    assert _speculative_sampling.__module__ == "transformers.generation.utils"

@@ -60,7 +60,7 @@ def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, be
 def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, alpha: float = 0.1, beta: float = 0.5,
            amateur_temperature: float = 1.0, form: str = "logit", speculative: bool = False,
-           num_draft: int = 4) -> Iterator[Step]:
+           num_draft: int | None = None) -> Iterator[Step]:
     """Contrastive decoding; with `speculative`, the amateur drafts K = num_draft tokens.
 
         seq = prompt; K = num_draft if speculative else 0
@@ -81,6 +81,7 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
     if isinstance(amateur, int) and not 0 <= amateur < expert.config.n_layers:
         raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur}")
     scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs
+    num_draft = 4 if num_draft is None else num_draft
     if speculative and num_draft < 1:
         raise ValueError(f"num_draft must be >= 1, got {num_draft}")
     K = num_draft if speculative else 0

@@ -25,13 +25,13 @@ is `generate()`'s job), so an EOS may sit in the window like any other token.
 """
 from __future__ import annotations
 
-import time
 from collections import OrderedDict
 from typing import Iterator
 
 import torch
 from torch import Tensor
 
+from engine.cost import row_cost
 from engine.generate import Step
 from engine.kvcache import KVCache
 from engine.llama import Llama
@@ -85,13 +85,15 @@ def layout(x: int, window: list[list[int]], guesses: list[tuple[int, ...]]):
 
     Row l*W + k is window level l, column k (row 0 is x). Level 0 is a causal chain from x;
     level l >= 1, column k hangs under level l-1, column k. Guesses sharing a prefix share rows.
+    An empty window (W = 0) leaves x and the trie: prompt-lookup decoding, or a plain step.
     """
-    W = len(window[0])
-    tokens, parent = [], []
+    W = len(window[0]) if window else 0
+    tokens, parent = [x], [-1]
     for l, level in enumerate(window):
         for k, t in enumerate(level):
-            tokens.append(x if l == k == 0 else t)
-            parent.append(k - 1 if l == 0 else (l - 1) * W + k)
+            if l or k:                                     # level 0, column 0 is x's own row
+                tokens.append(t)
+                parent.append(k - 1 if l == 0 else (l - 1) * W + k)
     newest = list(range(len(tokens) - W, len(tokens)))
     trie, paths = {}, []                                   # (parent row, token) -> row
     for gram in guesses:
@@ -157,42 +159,52 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 # --------------------------------------------------------------------------- decoder
 
 DEFAULT_N = 4                          # n-gram size when --ngram is not given (make bench: N4 beat N5 here)
-AUTO = ((2, 2), (3, 3), (5, 5))        # (W, G) arms of the automatic choice, cheap to costly
+# (W, G) arms of the automatic choice, cheap to costly: a plain step, prompt lookup (the pool's
+# guesses, no window), then Jacobi windows
+ARMS = ((0, 0), (0, 4), (2, 2), (3, 3), (5, 5))
 
 
 class Auto:
-    """Pick (W, G) per step to maximise measured tokens per second, among AUTO's arms.
+    """Pick (W, G) per step by expected tokens per unit of cost; a plain step is one of the arms.
 
-    Every arm is exact, so switching never changes the output, only the speed. Each arm keeps
-    decayed sums of the tokens it emitted and the seconds its steps took (forward + verify):
-    the measured cost of its (N-1)(W+G)-row forward on this device and the acceptance seen so
-    far, in one ratio. Untried arms go first; an arm left alone for `retry` steps is retried.
+        value(arm) = decayed tokens its steps emitted / decayed cost of their forwards
+        choose: an untried arm (cheap to costly), else one unchosen for patience * (c - 1)
+                steps (c = its nominal cost), else the arm of highest value (plain's is 1)
+    Costs come from engine/cost.py (rows -> units of a one-row forward), never the clock, so
+    the schedule depends on the tokens alone and a rerun takes the same arms. Every arm is
+    exact, so on an exact path the schedule moves the speed, never the tokens. A retry spends
+    at most c - 1 extra units and comes at most every patience * (c - 1) steps: exploration
+    costs at most 1/patience of a plain step per step and per arm (1% each at 100).
     """
 
-    def __init__(self, arms, decay: float = 0.8, retry: int = 24):
-        self.arms, self.decay, self.retry = arms, decay, retry
-        self.tokens = [0.0] * len(arms)
-        self.seconds = [0.0] * len(arms)
-        self.last = [-1] * len(arms)
+    def __init__(self, arms, cost, n: int, decay: float = 0.8, patience: int = 100):
+        self.arms, self.cost, self.decay = arms, cost, decay
+        self.nominal = [cost(1 + (n - 1) * (w + g)) for w, g in arms]    # rows if every guess is there
+        self.wait = [max(1, round(patience * (c - 1))) for c in self.nominal]
+        # subtle: a one-row arm (plain) has nothing to learn: 1 token for 1 unit, known, never retried
+        plain = [w + g == 0 for w, g in arms]
+        self.tokens = [float(p) for p in plain]
+        self.spent = [float(p) for p in plain]
+        self.last = [0 if p else -1 for p in plain]
+        self.wait = [10**9 if p else w for p, w in zip(plain, self.wait)]
         self.step = 0
 
     def choose(self) -> int:
         self.step += 1
-        stale = [a for a in range(len(self.arms))
-                 if self.last[a] < 0 or self.step - self.last[a] > self.retry]
-        if stale:                                    # untried (last = -1) or not seen for long
-            return stale[0]
-        return max(range(len(self.arms)), key=lambda a: self.tokens[a] / max(self.seconds[a], 1e-9))
+        for a in sorted(range(len(self.arms)), key=self.nominal.__getitem__):
+            if self.last[a] < 0 or self.step - self.last[a] > self.wait[a]:
+                return a                          # untried (last = -1), or not tried for long
+        return max(range(len(self.arms)), key=lambda a: self.tokens[a] / max(self.spent[a], 1e-9))
 
-    def update(self, arm: int, tokens: int, seconds: float) -> None:
+    def update(self, arm: int, tokens: int, rows: int) -> None:
         self.tokens[arm] = self.decay * self.tokens[arm] + tokens
-        self.seconds[arm] = self.decay * self.seconds[arm] + seconds
+        self.spent[arm] = self.decay * self.spent[arm] + self.cost(rows)
         self.last[arm] = self.step
 
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
            window: int | None = None, ngram: int | None = None, guesses: int | None = None,
-           trim_layers: int = 0, clock=time.perf_counter) -> Iterator[Step]:
+           trim_layers: int = 0, cost_table: dict[int, float] | None = None) -> Iterator[Step]:
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
         pool <- n-grams of prompt; window <- N-1 levels x W copied from prompt; x <- prompt[-1]
@@ -206,19 +218,20 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
     `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens accepted
     (> 0 iff the pool hit). `trim_layers` freezes the window's older levels in the last layers.
-    With window and guesses both None, (W, G) is chosen per step by `Auto` (N = DEFAULT_N
-    unless given); with either given, the other defaults to it.
+    With window and guesses both None, (W, G) is chosen per step by `Auto` among ARMS, priced
+    by engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)); with either given, the other
+    defaults to it. W = 0 is prompt-lookup decoding (guesses from the pool only).
     """
     N = DEFAULT_N if ngram is None else ngram
-    auto = Auto(AUTO) if window is None and guesses is None else None
+    auto = Auto(ARMS, row_cost(model, cost_table), N) if window is None and guesses is None else None
     W = window if window is not None else guesses
     G = guesses if guesses is not None else window
     if auto:
-        W, G = max(w for w, _ in AUTO), max(g for _, g in AUTO)   # capacity for the largest arm
+        W, G = max(w for w, _ in ARMS), max(g for _, g in ARMS)   # capacity for the largest arm
     if not prompt:
         raise ValueError("lookahead needs a prompt of at least one token")
-    if W < 1 or N < 2 or G < 0:
-        raise ValueError(f"need window >= 1, ngram >= 2, guesses >= 0; got {W}, {N}, {G}")
+    if W < 0 or N < 2 or G < 0:
+        raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0; got {W}, {N}, {G}")
     if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
         raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
@@ -230,10 +243,9 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     while True:
         arm = auto.choose() if auto and not prefix else None
         if arm is not None:
-            W, G = AUTO[arm]
+            W, G = ARMS[arm]
             fill = (text[-W:] * W)[:W]                 # new columns start from recent text
             grid = [(level + fill)[:W] for level in grid]
-        t0 = clock()
         cands = pool.guesses(x)[:G]
         tokens, parent, newest, paths = layout(x, grid, cands)
         keep = sorted({0, *newest, *range((N - 1) * W, len(tokens))})
@@ -249,14 +261,15 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
         m = len(out) - 1                                              # guess tokens accepted
         cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
-        new = logits[[at[r] for r in newest]].argmax(-1).tolist()     # (W,) argmax, even sampling
-        grid = advance(pool, grid, x, new)
+        if W:                                                         # the window moves on
+            new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (W,) argmax, even sampling
+            grid = advance(pool, grid, x, new)
         text += out
         pool.add_text(text, len(text) - len(out))
         if arm is not None:
-            auto.update(arm, len(out), clock() - t0)
+            auto.update(arm, len(out), len(tokens))
         prefix, x = [], out[-1]
-        yield Step(out, drafted=len(tokens) - (N - 1) * W, accepted=m)
+        yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m)
 
 
 def advance(pool: Pool, grid: list[list[int]], x: int, new: list[int]) -> list[list[int]]:

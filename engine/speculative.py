@@ -11,12 +11,12 @@ But: batch size 1, one chain of drafts (no trees), no drafts with another tokeni
 """
 from __future__ import annotations
 
-import time
 from dataclasses import dataclass
 from typing import Callable, Iterator
 
 import torch
 
+from engine.cost import layer_share, row_cost
 from engine.draft import pair_for
 from engine.generate import Step
 from engine.llama import Llama
@@ -28,39 +28,74 @@ class SelfDraft:
     layers: int   # the draft is the target's layers [0, layers), then its final norm and LM head
 
 
-def best_k(alpha: float, c_draft: float, c_target: float, max_k: int) -> int:
-    """The K in [1, max_k] with the most tokens per second: sum_{i<=K} alpha^i / (K c_draft + c_target).
+def best_k(alpha: float, c_draft: float, c_verify: Callable[[int], float], max_k: int) -> int:
+    """The K in [0, max_k] with the most tokens per unit cost, K = 0 being a plain step (cost 1):
+        sum_{i<=K} alpha^i / (K c_draft + c_verify(K))          (Leviathan et al., walltime factor)
 
-    Example: best_k(0.8, 0.1, 1.0, 16) == 6 (2.47 tokens per target-forward time).
+    Example: best_k(0.8, 0.1, lambda k: 1.0, 16) == 6 (2.47 tokens per unit); at alpha = 0.1
+    no K pays for its drafts, and K = 0 wins.
     """
     tokens = lambda k: sum(alpha ** i for i in range(k + 1))   # (1 - alpha^(K+1)) / (1 - alpha), no 0/0
-    return max(range(1, max_k + 1), key=lambda k: tokens(k) / (k * c_draft + c_target))
+    cost = lambda k: k * c_draft + c_verify(k) if k else 1.0
+    return max(range(max_k + 1), key=lambda k: tokens(k) / cost(k))
 
 
-class _Tuner:
-    """Running estimates of the per-token acceptance alpha and of the forward costs."""
+class Tuner:
+    """K per step from the acceptance seen so far and fixed costs (engine/cost.py), never the clock.
 
-    def __init__(self, k: int, max_k: int):
+        alpha = decayed accepted / decayed trials        (a step: `accepted` successes, then a
+                                                          failure unless all K passed)
+        K = best_k(alpha, c_draft, c_verify, max_k)
+        at K = 0 nothing is measured, so after `probe` plain steps one step drafts K = 1;
+        each probe that does not lift K doubles the wait (16, 32, 64, ... steps); a probe whose
+        draft is accepted sets it back to 16
+    With c_draft = 0.74 (a 20-of-30-layer self-draft of SmolLM2-135M), K = 1 pays only when
+    alpha > 0.75, so a weak draft decodes at plain's pace bar its probes. The schedule is a
+    function of the tokens seen, so a seed gives the same tokens on every run.
+    """
+
+    def __init__(self, k: int, max_k: int, c_draft: float, c_verify: Callable[[int], float],
+                 probe: int = 16):
         self.k, self.max_k, self.decay = k, max_k, 0.9     # forget a step's weight in ~10 steps
-        self.accepted, self.trials = 1.0, 2.0        # prior alpha = 1/2, forgotten like the rest
-        self.c_draft = self.c_target = None
+        self.c_draft, self.c_verify = c_draft, c_verify
+        self.accepted, self.trials = 1.0, 2.0              # prior alpha = 1/2, forgotten like the rest
+        self.first_probe = self.probe = probe
+        self.idle = 0                                      # plain steps since the last measurement
 
-    def update(self, k: int, accepted: int, draft_s: float, target_s: float) -> None:
-        d = self.decay
-        # a step is `accepted` successes then one failure, unless all k passed (MLE of alpha)
-        self.accepted = d * self.accepted + accepted
-        self.trials = d * self.trials + accepted + (accepted < k)
-        ema = lambda old, new: new if old is None else d * old + (1 - d) * new
-        self.c_draft, self.c_target = ema(self.c_draft, draft_s / k), ema(self.c_target, target_s)
-        alpha = self.accepted / self.trials
-        # subtle: K >= 1 always, so alpha keeps being measured even when drafting does not pay
-        self.k = best_k(alpha, self.c_draft, max(self.c_target, 1e-12), self.max_k)  # a frozen test clock
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def update(self, k: int, accepted: int) -> None:
+        if k:
+            d = self.decay
+            self.accepted = d * self.accepted + accepted
+            self.trials = d * self.trials + accepted + (accepted < k)
+            self.idle = 0
+        else:
+            self.idle += 1
+        self.k = best_k(self.alpha, self.c_draft, self.c_verify, self.max_k)
+        if self.k or (k and accepted == k):                # drafting pays, or a probe all accepted
+            self.probe = self.first_probe
+        elif self.idle >= self.probe:                      # probe: one draft, to measure alpha
+            self.k, self.probe = 1, 2 * self.probe
+
+
+def costs(target: Llama, draft: Llama | SelfDraft, cost_table=None) -> tuple[float, Callable[[int], float]]:
+    """(cost of one draft token, K -> cost of the verifying forward), one-row target forward = 1."""
+    rows = row_cost(target, cost_table)
+    if isinstance(draft, SelfDraft):       # layers < L: 1 row per draft; the rest on K+1 rows
+        lower = layer_share(target, draft.layers)
+        head = 1 - layer_share(target, target.config.n_layers)
+        return lower + head, lambda k: lower + (1 - lower) * rows(k + 1)
+    size = lambda m: sum(p.numel() for p in m.parameters())
+    return size(draft) / size(target), lambda k: rows(k + 1)
 
 
 def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sampler: Sampler,
-           rng: Random, max_new_tokens: int, num_draft: int = 4, verify: str = "rejection",
+           rng: Random, max_new_tokens: int, num_draft: int | None = None, verify: str = "rejection",
            adaptive: bool = False, max_draft: int = 16,
-           clock: Callable[[], float] = time.perf_counter) -> Iterator[Step]:
+           cost_table: dict[int, float] | None = None) -> Iterator[Step]:
     """Speculative decoding; one Step per target forward (the first one also eats the prompt).
 
         n = len(x); K = min(K, tokens left - 1)
@@ -70,12 +105,14 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         coupled:   y_i ~ p_i with plain's key ("token", n+i); accept while y_i == x_{n+i}
         all K accepted: bonus y ~ p_K;  emit accepted drafts + y
         truncate both caches to the committed prefix
-        adaptive: K = argmax_k sum_{i<=k} alpha^i / (k c_draft + c_target), measured online
-    The K schedule depends only on the past, so it never changes the output law; with wall-clock
-    costs it may change which tokens a seed gives under "rejection" (never under "coupled").
+        adaptive: K = argmax_k sum_{i<=k} alpha^i / (k c_draft + c_verify(k)), K = 0 a plain step
+    The K schedule depends only on the tokens seen (`Tuner`), so it never changes the output law,
+    and a seed gives the same tokens on every run, under either verification.
     """
     if verify not in ("rejection", "coupled"):
         raise ValueError(f"verify must be 'rejection' or 'coupled', got {verify!r}")
+    # K drafts per step; adaptive starts at one (a probe) unless told where to start
+    num_draft = (1 if adaptive else 4) if num_draft is None else num_draft
     if num_draft < 0 or max_draft < 1:
         raise ValueError(f"need num_draft >= 0, max_draft >= 1; got {num_draft}, {max_draft}")
     capacity = len(prompt) + max_new_tokens + max(num_draft, max_draft if adaptive else 0) + 1
@@ -83,7 +120,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
     if isinstance(draft, SelfDraft) and not 1 <= draft.layers <= L:
         raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
     pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity)
-    tuner = _Tuner(max(num_draft, 1), max_draft) if adaptive else None
+    tuner = Tuner(num_draft, max_draft, *costs(target, draft, cost_table)) if adaptive else None
     device = target.tok_embeddings.weight.device
     as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
     stream = "draft" if verify == "rejection" else "token"
@@ -92,7 +129,6 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         while True:
             n = len(seq)                                       # position of the first new token
             k = min(tuner.k if tuner else num_draft, max(end - n - 1, 0))
-            t0 = clock()
             drafts, feed = [], seq[pair.draft_seen:]
             q = torch.zeros(k, V, dtype=torch.float64, device=device)                # (K, V)
             for i in range(k):
@@ -100,15 +136,15 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
                 q[i] = sampler.probs(logits)                 # subtle: q is the law x was drawn from
                 drafts.append(rng.categorical(q[i], stream, n + i))
                 feed = drafts[-1:]
-            t1, start = clock(), pair.target_seen
+            start = pair.target_seen
             logits = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device),
                                  k + 1)                                               # (K+1, V)
             if verify == "rejection":
                 out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
             else:
                 out, _ = verify_match(logits[0], logits[None, 1:], as_tensor(drafts), sampler, rng, n)
-            if tuner and k and start:      # start = 0: the first step's timings include the prompt
-                tuner.update(k, len(out) - 1, t1 - t0, clock() - t1)
+            if tuner:
+                tuner.update(k, len(out) - 1)
             pair.rollback(n + len(out) - 1)   # the last emitted token is fed next step
             seq += out
             yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1)

@@ -30,7 +30,7 @@ def spec_run(draft, K, verify="rejection", adaptive=False):
     def run(sampler, n):
         return lambda rng: speculative.decode(
             TARGET, draft, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=K,
-            verify=verify, adaptive=adaptive, max_draft=3, clock=itertools.count().__next__)
+            verify=verify, adaptive=adaptive, max_draft=3)
     return run
 
 

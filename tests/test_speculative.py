@@ -187,22 +187,61 @@ def test_a_draft_with_another_vocab_is_a_clear_error():
         decode(tiny_llama(0), SelfDraft(1), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4, verify="x")
 
 
-@pytest.mark.parametrize("alpha, c, k", [(0.6, 0.05, 4), (0.8, 0.1, 6), (0.9, 0.05, 13), (0.1, 0.5, 1)])
-def test_best_k_maximises_tokens_per_unit_time(alpha, c, k):
+@pytest.mark.parametrize("alpha, c, k", [(0.6, 0.05, 4), (0.8, 0.1, 6), (0.9, 0.05, 13), (0.1, 0.5, 0)])
+def test_best_k_maximises_tokens_per_unit_cost(alpha, c, k):
     # Why: the optimum K of (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)) has no closed form; these
-    # are brute-force optima of Leviathan et al.'s walltime factor.
-    assert best_k(alpha, c, 1.0, 32) == k
+    # are brute-force optima of Leviathan et al.'s walltime factor. K = 0 is a plain step: a
+    # draft accepted one time in ten at half a forward a token never pays.
+    assert best_k(alpha, c, lambda k: 1.0, 32) == k
 
 
 def test_tuner_follows_the_measured_acceptance():
     # Why: a step accepting 4 of 5 drafts is 4 successes and 1 failure: alpha = 4/5 per draft.
-    tuner = speculative._Tuner(4, 32)
+    tuner = speculative.Tuner(4, 32, 0.1, lambda k: 1.0)
     for _ in range(200):
-        tuner.update(5, 4, draft_s=0.5, target_s=1.0)       # c = 0.1 per draft token
-    assert tuner.k == best_k(0.8, 0.1, 1.0, 32) == 6
+        tuner.update(5, 4)
+    assert tuner.k == best_k(0.8, 0.1, lambda k: 1.0, 32) == 6
     for _ in range(200):
-        tuner.update(5, 0, draft_s=0.5, target_s=1.0)
-    assert tuner.k == 1
+        tuner.update(tuner.k, 0)
+    assert tuner.k in (0, 1)
+
+
+def test_tuner_falls_back_to_plain_steps_and_probes_back_ever_more_rarely():
+    # Why: "never lose": a draft that is never accepted must cost almost nothing. K drops to 0
+    # (plain steps), and the probes that re-measure alpha come after 16, 32, 64, ... plain steps.
+    tuner = speculative.Tuner(1, 8, c_draft=0.74, c_verify=lambda k: 0.5 + 0.5 * (1 + 0.03 * k))
+    ks = []
+    for _ in range(500):
+        ks.append(tuner.k)
+        tuner.update(tuner.k, 0)                         # every draft rejected
+    probes = [i for i, k in enumerate(ks) if k]
+    assert ks[0] == 1 and len(probes) <= 7               # 1 + 16 + 32 + 64 + 128 + 256 < 500
+    assert all(b - a >= 16 for a, b in zip(probes, probes[1:]))
+    # and when the draft turns good, one probe is enough to lift K off 0
+    for _ in range(300):
+        tuner.update(tuner.k, tuner.k)                   # every draft accepted
+    assert tuner.k >= 2
+
+
+def test_a_tuner_that_never_probes_is_caught():
+    # the broken variant: without probes, K stays 0 for good once alpha looked bad, and a
+    # draft that has become good is never used again; the test above must see that
+    tuner = speculative.Tuner(1, 8, c_draft=0.74, c_verify=lambda k: 1.0, probe=10**9)
+    for _ in range(50):
+        tuner.update(tuner.k, 0)
+    for _ in range(300):
+        tuner.update(tuner.k, tuner.k)
+    assert tuner.k == 0
+
+
+def test_self_draft_costs_follow_the_model_shapes():
+    # Why: the tuner's prices for an early exit: a draft token reads layers [0, L) and the head,
+    # the check reads the other layers; with L = all layers a draft costs a whole forward.
+    model = tiny_llama(0, n_layers=4)
+    c_draft, c_verify = speculative.costs(model, SelfDraft(4))
+    assert c_draft == pytest.approx(1.0) and c_verify(0) == pytest.approx(1.0)
+    c_draft, c_verify = speculative.costs(model, SelfDraft(2))
+    assert 0.5 < c_draft < 1 and c_verify(0) == pytest.approx(1.0)
 
 
 # --------------------------------------------------------------------------- the tests have teeth

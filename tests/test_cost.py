@@ -1,0 +1,116 @@
+"""The adaptive decoders' price list (engine/cost.py), and the promise it exists for: the same
+command and seed print the same tokens, whatever the wall clock says, on every path.
+
+On an inexact path (bf16, int4) a k-row forward rounds a row differently from a one-row
+forward, so which arm or draft length a step takes can change the tokens. A choice that reads
+the clock would then make two runs of one command differ. `RowDependent` stands in for such a
+path, exaggerated: its logits move with the number of rows in the forward.
+"""
+import itertools
+import json
+import random
+import time
+
+import pytest
+import torch
+
+from conftest import tiny_llama
+from engine import cost, lookahead, speculative
+from engine.generate import generate
+from engine.llama import Llama
+from engine.sampling import Random, Sampler
+
+
+class RowDependent(Llama):
+    """A Llama whose logits depend on how many rows share the forward (0.3 x a fixed pattern)."""
+
+    def forward(self, tokens, *args, **kwargs):
+        logits = super().forward(tokens, *args, **kwargs)
+        V = logits.shape[-1]
+        return logits + 0.3 * torch.sin(torch.arange(V, dtype=logits.dtype) * tokens.shape[1])
+
+
+def row_dependent(seed: int) -> Llama:
+    model = tiny_llama(seed, vocab=6)
+    model.__class__ = RowDependent
+    return model
+
+
+def perturbed_clock(seed: int):
+    """A clock that jumps by random amounts: what a busy machine looks like to a timer."""
+    r, now = random.Random(seed), itertools.count()
+    return lambda: next(now) * r.uniform(1e-4, 1.0)
+
+
+def tokens_under_clock(monkeypatch, clock_seed: int, make_steps, n: int = 40) -> list[int]:
+    clock = perturbed_clock(clock_seed)
+    for name in ("perf_counter", "monotonic", "time", "process_time"):
+        monkeypatch.setattr(time, name, clock)
+    return list(generate(make_steps(), max_new_tokens=n))
+
+
+PROMPT = [1, 2, 3, 1, 2, 3, 4, 1, 2]
+DECODERS = {
+    "lookahead auto, greedy": lambda m: lookahead.decode(
+        m, PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40),
+    "lookahead auto, sampled": lambda m: lookahead.decode(
+        m, PROMPT, sampler=Sampler(0.8), rng=Random(3), max_new_tokens=40),
+    "speculative adaptive, rejection": lambda m: speculative.decode(
+        m, tiny_llama(7, vocab=6, n_layers=1), PROMPT, sampler=Sampler(1.0), rng=Random(5),
+        max_new_tokens=40, adaptive=True),
+    "speculative adaptive, self-draft": lambda m: speculative.decode(
+        m, speculative.SelfDraft(1), PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40,
+        adaptive=True),
+}
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_adaptive_decoders_print_the_same_tokens_whatever_the_clock(name, monkeypatch):
+    # Why: "the same command, seed and machine print the same tokens": a busy machine (here a
+    # clock that jumps at random) must not be able to move them, even where arms round apart.
+    model = row_dependent(0)
+    runs = {tuple(tokens_under_clock(monkeypatch, c, lambda: DECODERS[name](model))) for c in range(3)}
+    assert len(runs) == 1
+
+
+def test_a_clock_driven_choice_is_caught(monkeypatch):
+    # the broken variant: an arm chosen from the clock (as the engine once did, by measured
+    # step times) moves the tokens of a row-dependent model; the test above must see that
+    monkeypatch.setattr(lookahead.Auto, "choose",
+                        lambda self: int(time.perf_counter() * 1e3) % len(self.arms))
+    model = row_dependent(0)
+    runs = {tuple(tokens_under_clock(monkeypatch, c, lambda: DECODERS["lookahead auto, greedy"](model)))
+            for c in range(3)}
+    assert len(runs) > 1
+
+
+# --------------------------------------------------------------------------- the price list
+
+def test_row_cost_follows_the_matmul_kind_and_a_measured_table():
+    model = tiny_llama(0)                                  # float64 nn.Linear
+    assert cost.row_cost(model)(1) == 1.0
+    assert cost.row_cost(model)(9) == pytest.approx(1 + 8 * cost.SLOPE["Linear"])
+    table = {1: 1.0, 4: 1.3, 8: 2.1}
+    rows = cost.row_cost(model, table)
+    assert [rows(k) for k in (1, 2, 4, 6, 8, 12)] == pytest.approx([1.0, 1.1, 1.3, 1.7, 2.1, 2.9])
+
+
+def test_a_forward_cost_json_loads_as_a_table_and_a_bad_one_is_one_error(tmp_path):
+    good = {"forward_cost": {"engine": {"1": {"ratio": 1.0}, "8": {"ratio": 1.25}}}}
+    (tmp_path / "good.json").write_text(json.dumps(good))
+    assert cost.load_table(tmp_path / "good.json") == {1: 1.0, 8: 1.25}
+    for bad in ["not json", json.dumps({"forward_cost": {}}), json.dumps({"x": 1}),
+                json.dumps({"forward_cost": {"e": {"8": {"ratio": 1.2}}}})]:
+        (tmp_path / "bad.json").write_text(bad)
+        with pytest.raises(ValueError, match="bad.json"):
+            cost.load_table(tmp_path / "bad.json")
+
+
+def test_layer_shares_add_up_to_a_forward_less_its_head():
+    model = tiny_llama(0, n_layers=4)
+    c = model.config
+    head = c.vocab_size * c.dim / sum(p.numel() for n, p in model.named_parameters()
+                                      if "norm" not in n and "tok_embeddings" not in n)
+    assert cost.layer_share(model, 0) == 0
+    assert cost.layer_share(model, 2) == pytest.approx(cost.layer_share(model, 4) / 2)
+    assert cost.layer_share(model, 4) == pytest.approx(1 - head)

@@ -26,6 +26,15 @@ from torch import Tensor
 
 @dataclass(frozen=True)
 class Sampler:
+    """Logits -> the law to sample: temperature, then top-k, then top-p (HF transformers' order).
+
+    top-k keeps every token whose logit is >= the k-th largest, so ties at the k-th value all
+    stay (as HF's top-k warper does). top-p then keeps the smallest prefix of the tokens sorted
+    by probability whose mass reaches top_p (Holtzman et al. 2019): a token stays when the mass
+    before it is < top_p. Among tokens of equal probability the lower id comes first, so a tie
+    straddling the cut keeps the lower ids; HF transformers 5.24.0 keeps the higher ones (the
+    same number of tokens). Pinned by hand-worked examples in tests/test_filters.py.
+    """
     temperature: float = 0.0   # 0 = greedy (argmax)
     top_k: int = 0             # 0 = off
     top_p: float = 1.0         # 1 = off

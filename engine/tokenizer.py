@@ -74,12 +74,7 @@ def token_text(path: Path, d: dict, key: str) -> str | None:
 
 
 def chat_template(d: Path, tc: dict) -> str | None:
-    """chat_template.jinja wins over tokenizer_config's, as in transformers."""
-    if (d / "chat_template.jinja").is_file():
-        try:
-            return (d / "chat_template.jinja").read_bytes().decode("utf-8")
-        except UnicodeDecodeError as e:
-            raise ValueError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start})") from None
+    """chat_template.jinja wins over tokenizer_config's, as in transformers (both are checked)."""
     t = tc.get("chat_template")
     if isinstance(t, list):  # named templates: [{"name", "template"}]
         if not all(isinstance(x, dict) and isinstance(x.get("name"), str) for x in t):
@@ -87,6 +82,11 @@ def chat_template(d: Path, tc: dict) -> str | None:
         t = {x["name"]: x.get("template") for x in t}.get("default")
     if t is not None and not isinstance(t, str):
         raise ValueError(f"{d / 'tokenizer_config.json'}: chat_template must be a string, got {type(t).__name__}")
+    if (d / "chat_template.jinja").is_file():
+        try:
+            return (d / "chat_template.jinja").read_bytes().decode("utf-8")
+        except UnicodeDecodeError as e:
+            raise ValueError(f"{d / 'chat_template.jinja'}: not UTF-8 text ({e.reason} at byte {e.start})") from None
     return t
 
 

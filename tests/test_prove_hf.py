@@ -57,3 +57,26 @@ def test_hf_returns_the_drafts_it_accepts_and_one_more_token():
     out = prove.hf_speculative(p, p[:2], [3, 1])
     assert out[:2] == [3, 1] and len(out) == 3 and 0 <= out[2] < V
     assert _speculative_sampling.__module__ == "transformers.generation.utils"
+
+
+def hf_kept(logits, t, k, top_p) -> set[int]:
+    """HF's own warpers in generate()'s order: temperature, top-k, top-p."""
+    import torch
+    from transformers.generation.logits_process import TemperatureLogitsWarper, TopKLogitsWarper, TopPLogitsWarper
+    x = torch.tensor([logits], dtype=torch.float64)
+    for warp in [TemperatureLogitsWarper(t)] + ([TopKLogitsWarper(k)] if k else []) + \
+                ([TopPLogitsWarper(top_p)] if top_p < 1 else []):
+        x = warp(None, x)
+    return set(torch.softmax(x[0], -1).nonzero().flatten().tolist())
+
+
+def test_hf_filters_agree_with_ours_except_which_tie_top_p_keeps():
+    # Why: the Sampler docstring claims HF's order and conventions but one: at a tie that
+    # straddles the top-p cut we keep the lower ids, HF the higher ones (as many tokens).
+    from test_filters import EXAMPLES
+    differ = {name for name, (x, t, k, p, want) in EXAMPLES.items() if hf_kept(x, t, k, p) != want}
+    assert differ == {"top-p tie at the cut keeps the lower id", "top-p over four equal tokens keeps the two lowest ids",
+                      "top-p just above 3/4 takes one more"}     # 1/8, 1/8: the third token is a tie too
+    for name in differ:
+        x, t, k, p, want = EXAMPLES[name]
+        assert len(hf_kept(x, t, k, p)) == len(want)

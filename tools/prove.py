@@ -293,6 +293,34 @@ def certify_engine_decoder(spec: str, V: int, n: int, K: int, sampler: Sampler) 
     return certify_exact(spec, runs[spec], law, n)
 
 
+def power_curve(law: dict, V: int, n: int, N: int, runs: int, tvs=(0, .0025, .005, .0075, .01, .02, .05)):
+    """Detection rate of planted biases: {(toward, tv): fraction of `runs` runs that FAIL}."""
+    rates = {}
+    for toward in ("mode", "uniform"):
+        for tv in tvs:
+            sample = planted(law, tv, toward, V, n)
+            fails = sum(not certify_samples("", sample(N, 1000 * r + 7), law, V).passed for r in range(runs))
+            rates[toward, tv] = fails / runs
+    return rates
+
+
+def plot_power(rates: dict, N: int, m: int, path: str) -> None:
+    import matplotlib
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    fig, ax = plt.subplots(figsize=(6, 3.5))
+    for toward in ("mode", "uniform"):
+        tvs = sorted(tv for t, tv in rates if t == toward)
+        ax.plot(tvs, [rates[toward, tv] for tv in tvs], "o-", label=f"bias toward {toward}")
+    ax.axvline(detects(N, m), ls="--", c="gray", label=f"stated: detects TV >= {detects(N, m):.4f}")
+    ax.axvline(threshold(N, m), ls=":", c="gray", label=f"threshold eps = {threshold(N, m):.4f}")
+    ax.set(xlabel="planted TV distance", ylabel="fraction of runs that FAIL",
+           title=f"black-box power, N = {N:,}, {m} outcomes, false alarm <= 1e-6")
+    ax.legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(path, dpi=120)
+
+
 # --------------------------------------------------------------------------- CLI
 
 class Parser(argparse.ArgumentParser):

@@ -6,6 +6,7 @@ assistant's tokens when sampling, and it draws from torch's global RNG, so only 
 statistical mode can judge it. transformers is a pinned test extra (requirements-test.txt,
 installed by `make setup`); without it these tests skip locally but fail under CI=true.
 """
+import json
 import os
 from pathlib import Path
 
@@ -80,3 +81,15 @@ def test_hf_filters_agree_with_ours_except_which_tie_top_p_keeps():
     for name in differ:
         x, t, k, p, want = EXAMPLES[name]
         assert len(hf_kept(x, t, k, p)) == len(want)
+
+
+def test_hf_assisted_generation_end_to_end_passes_at_a_coarse_power(capsys):
+    # Why: the whole generate(assistant_model=..., do_sample=True) path, processors included;
+    # at N = 300 it detects TV >= 0.29, and emitting the assistant's law instead (TV 0.58) would
+    # fail. The 20,000-sample run is in docs/proofs.md.
+    from tools import prove_hf
+    assert prove_hf.main(["--samples", "300", "--json"]) == 0
+    (v,) = json.loads(capsys.readouterr().out)
+    assert v["passed"] and v["detects"] < 0.3
+    a, d = prove_hf.target_law(prove_hf.tiny_hf_llama(5, 3), 1.0), prove_hf.target_law(prove_hf.tiny_hf_llama(6, 1), 1.0)
+    assert 0.5 * sum(abs(a[k] - d[k]) for k in a) > 0.5

@@ -1,0 +1,40 @@
+"""The machine a figure was measured on: CPU model, the ISA flags that change kernels and
+rounding, threads, torch and its kernel dispatch. Every JSON and table the tools write carries
+it, because a speed (or an int4 answer) is true of one machine."""
+from __future__ import annotations
+
+import os
+import platform
+from pathlib import Path
+
+import torch
+
+FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
+
+
+def machine(device: str = "cpu") -> dict:
+    model, flags = "", set()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name") and not model:
+                model = line.split(":", 1)[1].strip()
+            elif line.startswith("flags") and not flags:
+                flags = set(line.split(":", 1)[1].split())
+    except OSError:                                   # not Linux: the model name is all we have
+        pass
+    info = {"cpu": model or platform.processor() or platform.machine(), "isa": [f for f in FLAGS if f in flags], "cores": os.cpu_count(),
+            "threads": torch.get_num_threads(), "torch": torch.__version__,
+            "dispatch": torch.backends.cpu.get_cpu_capability(),
+            "onednn_bf16": bool(torch.backends.mkldnn.is_available()
+                                and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
+            "device": device}
+    if str(device).startswith("cuda") and torch.cuda.is_available():
+        info["gpu"] = torch.cuda.get_device_name(torch.device(device))
+    return info
+
+
+def describe(m: dict) -> str:
+    """One line for a table's header."""
+    gpu = f", {m['gpu']}" if "gpu" in m else ""
+    return (f"{m['cpu']} ({', '.join(m['isa']) or 'no AVX2'}; dispatch {m['dispatch']}), "
+            f"{m['threads']} threads of {m['cores']} cores, torch {m['torch']}, {m['device']}{gpu}")

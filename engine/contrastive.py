@@ -41,10 +41,11 @@ def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, be
     """
     if form not in ("logit", "ratio"):
         raise ValueError(f"form must be 'logit' or 'ratio', got {form!r}")
-    if not 0 <= alpha <= 1 or not beta >= 0 or not amateur_temperature > 0:
-        # beta < 0 would reward the amateur: beta = -1 decodes with the amateur alone
-        raise ValueError(f"need 0 <= alpha <= 1, beta >= 0 and amateur_temperature > 0, "
-                         f"got {alpha}, {beta} and {amateur_temperature}")
+    if not 0 <= alpha <= 1 or not 0 <= beta < math.inf or not 1e-4 <= amateur_temperature < math.inf:
+        # beta < 0 would reward the amateur: beta = -1 decodes with the amateur alone; a tau
+        # below 1e-4 overflows l_A / tau (1e-310 gives inf - inf = NaN scores)
+        raise ValueError(f"need 0 <= alpha <= 1, finite beta >= 0 and amateur_temperature in "
+                         f"[1e-4, inf), got {alpha}, {beta} and {amateur_temperature}")
     e = expert_logits.double()                                              # (..., V)
     a = amateur_logits.double() / amateur_temperature                       # (..., V)
     if form == "ratio":
@@ -82,10 +83,10 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur}")
     scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs
     num_draft = 4 if num_draft is None else num_draft
-    if speculative and num_draft < 1:
-        raise ValueError(f"num_draft must be >= 1, got {num_draft}")
-    K = num_draft if speculative else 0
-    pair = pair_for(expert, amateur, len(prompt) + max_new_tokens + K)   # amateur = the draft
+    if speculative and (type(num_draft) is not int or num_draft < 1):
+        raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
+    K = min(num_draft, max_new_tokens) if speculative else 0       # no step drafts past the budget
+    pair = pair_for(expert, amateur, len(prompt) + max_new_tokens + K + 1, K + 1)  # amateur = the draft
     device = expert.tok_embeddings.weight.device
     as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
     seq = list(prompt)

@@ -25,9 +25,10 @@ from engine.llama import Llama
 class Separate:
     """A draft Llama with its own cache; the target verifies with one ordinary forward."""
 
-    def __init__(self, target: Llama, draft: Llama, capacity: int):
+    def __init__(self, target: Llama, draft: Llama, capacity: int, scratch: int):
         self.target, self.draft = target, draft
-        self.tcache, self.dcache = KVCache.for_model(target, capacity), KVCache.for_model(draft, capacity)
+        self.tcache = KVCache.for_model(target, capacity, scratch=scratch)
+        self.dcache = KVCache.for_model(draft, capacity, scratch=scratch)
 
     target_seen = property(lambda self: self.tcache.length)   # slots the target has in cache
     draft_seen = property(lambda self: self.dcache.length)
@@ -47,8 +48,8 @@ class EarlyExit:
     """The target's layers [0, L) as the draft, on the target's cache. Exact up to rounding:
     layers < L run in the pieces the draft was fed in, not in one batch of the checked rows."""
 
-    def __init__(self, target: Llama, L: int, capacity: int):
-        self.target, self.L, self.cache = target, L, KVCache.for_model(target, capacity)
+    def __init__(self, target: Llama, L: int, capacity: int, scratch: int):
+        self.target, self.L, self.cache = target, L, KVCache.for_model(target, capacity, scratch=scratch)
         self.base, self.hidden = 0, []    # slots whose every layer is valid; layer-L x since then
 
     target_seen = property(lambda self: self.base)
@@ -77,11 +78,12 @@ class EarlyExit:
         self.base = n
 
 
-def pair_for(target: Llama, draft: Llama | int, capacity: int) -> Separate | EarlyExit:
-    """The pair for a draft Llama (same vocab) or an early exit after `draft` layers."""
+def pair_for(target: Llama, draft: Llama | int, capacity: int, scratch: int) -> Separate | EarlyExit:
+    """The pair for a draft Llama (same vocab) or an early exit after `draft` layers; `scratch`
+    of the `capacity` slots only ever hold one step's drafts (the rest must fit the context)."""
     if isinstance(draft, int):
-        return EarlyExit(target, draft, capacity)
+        return EarlyExit(target, draft, capacity, scratch)
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"vocab {draft.config.vocab_size} != the target's {target.config.vocab_size}: "
                          "the cheap model must speak in the target's token ids")
-    return Separate(target, draft, capacity)
+    return Separate(target, draft, capacity, scratch)

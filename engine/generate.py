@@ -55,7 +55,7 @@ class Stats:
 def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
           max_new_tokens: int) -> Iterator[Step]:
     """One token per forward: x_t ~ p(. | x_<t) with the key ("token", t)."""
-    cache = KVCache.for_model(model, len(prompt) + max_new_tokens)
+    cache = KVCache.for_model(model, len(prompt) + max_new_tokens, scratch=0)  # checks the context
     device = model.tok_embeddings.weight.device
     tokens = torch.tensor([prompt], device=device)                          # (1, T)
     while True:

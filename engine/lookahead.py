@@ -230,12 +230,16 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         W, G = max(w for w, _ in ARMS), max(g for _, g in ARMS)   # capacity for the largest arm
     if not prompt:
         raise ValueError("lookahead needs a prompt of at least one token")
-    if W < 0 or N < 2 or G < 0:
-        raise ValueError(f"need window >= 0, ngram >= 2, guesses >= 0; got {W}, {N}, {G}")
+    if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0:
+        raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0; got {W!r}, {N!r}, {G!r}")
+    if 1 + (N - 1) * (W + G) > model.config.max_seq_len:   # before allocating a cache for them
+        raise ValueError(f"a step of 1 + (N-1)(W+G) = {1 + (N - 1) * (W + G)} rows exceeds the "
+                         f"model's context ({model.config.max_seq_len})")
     if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
         raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
-    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + (N - 1) * (W + G))
+    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + (N - 1) * (W + G),
+                              scratch=(N - 1) * (W + G))
     pool = Pool(G, N)
     pool.add_text(prompt)
     grid = init_window(prompt, W, N)

@@ -113,13 +113,16 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         raise ValueError(f"verify must be 'rejection' or 'coupled', got {verify!r}")
     # K drafts per step; adaptive starts at one (a probe) unless told where to start
     num_draft = (1 if adaptive else 4) if num_draft is None else num_draft
-    if num_draft < 0 or max_draft < 1:
-        raise ValueError(f"need num_draft >= 0, max_draft >= 1; got {num_draft}, {max_draft}")
-    capacity = len(prompt) + max_new_tokens + max(num_draft, max_draft if adaptive else 0) + 1
+    if not all(type(k) is int for k in (num_draft, max_draft)) or num_draft < 0 or max_draft < 1:
+        raise ValueError(f"need integers num_draft >= 0, max_draft >= 1; got {num_draft!r}, {max_draft!r}")
+    # a step never drafts past the budget, so K beyond it would only size the cache
+    num_draft, max_draft = min(num_draft, max_new_tokens), min(max_draft, max(max_new_tokens, 1))
+    scratch = max(num_draft, max_draft if adaptive else 0) + 1
+    capacity = len(prompt) + max_new_tokens + scratch
     V, L = target.config.vocab_size, target.config.n_layers
     if isinstance(draft, SelfDraft) and not 1 <= draft.layers <= L:
         raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
-    pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity)
+    pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity, scratch)
     tuner = Tuner(num_draft, max_draft, *costs(target, draft, cost_table)) if adaptive else None
     device = target.tok_embeddings.weight.device
     as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)

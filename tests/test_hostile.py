@@ -431,6 +431,38 @@ def test_a_cache_past_the_context_is_one_error():
     assert KVCache.for_model(model, 2050, scratch=10).capacity == 2050   # scratch rows may pass it
 
 
+def decoders_on(model):
+    from engine import contrastive, lookahead, speculative
+    from engine.generate import plain
+    common = lambda n=4: dict(sampler=Sampler(), rng=Random(0), max_new_tokens=n)
+    return {
+        "plain past the context": lambda: plain(model, [1] * 2000, **common(100)),
+        "window 10^9": lambda: lookahead.decode(model, [1, 2], window=10**9, **common()),
+        "window 2.5": lambda: lookahead.decode(model, [1, 2], window=2.5, **common()),
+        "num_draft 2.5": lambda: speculative.decode(model, speculative.SelfDraft(1), [1], num_draft=2.5, **common()),
+        "amateur tau 1e-310": lambda: contrastive.decode(model, 1, [1], amateur_temperature=1e-310, **common()),
+        "amateur num_draft 0": lambda: contrastive.decode(model, 1, [1], speculative=True, num_draft=0, **common()),
+    }
+
+
+@pytest.mark.parametrize("name", list(decoders_on(None)))
+def test_decoder_arguments_are_refused_before_any_allocation(name):
+    # Why: an API caller's meaningless or unbounded knob is one ValueError when decoding starts
+    # (the first next()), before a cache of its size exists
+    with pytest.raises(ValueError):
+        next(iter(decoders_on(tiny_llama(0))[name]()))
+
+
+def test_a_huge_draft_length_is_bounded_by_the_budget():
+    # Why: 60,000 drafts for 4 wanted tokens once sized a 3.6 GB cache; K past the budget is
+    # never drafted, so the decoder bounds it and runs
+    from engine import speculative
+    from engine.generate import generate
+    steps = speculative.decode(tiny_llama(0), tiny_llama(1, n_layers=1), [1, 2], sampler=Sampler(),
+                               rng=Random(0), max_new_tokens=4, num_draft=10**9)
+    assert len(list(generate(steps, max_new_tokens=4))) == 4
+
+
 # --------------------------------------------------------------------------- bench and quality
 
 def test_bench_and_quality_make_no_out_dir_before_a_missing_checkpoint(tmp_path, capsys):

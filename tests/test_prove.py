@@ -122,3 +122,17 @@ def test_cli_passes_with_exit_0_and_prints_a_table(capsys):
 def test_cli_bad_input_is_one_error_line_exit_2(args, capsys):
     rc, out, err = main(args, capsys)
     assert rc == 2 and out == "" and err.startswith("error:") and err.count("\n") == 1, (rc, out, err)
+
+
+def says_nothing(p, q, drafts, rng, position):
+    return []
+
+
+def test_a_verifier_that_returns_nothing_fails_instead_of_hanging():
+    v = prove.certify("test_prove:says_nothing", "exact", V, n, 2, Sampler(1.0), N, 0)
+    assert not v.passed and "no token" in v.note
+
+
+def test_the_threshold_holds_for_thousands_of_outcomes():
+    # ln(2^m - 2) overflows as a float power for m > 1023
+    assert 0 < prove.threshold(10**6, 4096) < 1

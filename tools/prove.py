@@ -112,6 +112,8 @@ def spec_run(verify, target, draft, K: int, prompt=()):
             p = torch.stack([target(tuple(seq + drafts[:i])) for i in range(K + 1)])     # (K+1, V)
             q = torch.stack(qs) if K else p[:0]                                          # (K, V)
             out = verify(p, q, drafts, rng, n)
+            if not out:   # generate() would wait forever for the next token
+                raise ValueError("the verifier returned no token")
             seq += out
             yield Step(out)
     return run
@@ -126,9 +128,14 @@ def certify_exact(name: str, run, law: dict, n: int) -> Verdict:
 
 # --------------------------------------------------------------------------- stat (black-box)
 
+def log_sets(m: int) -> float:
+    """ln(2^m - 2), the number of proper subsets of m outcomes, without overflow (m >= 2)."""
+    return m * math.log(2) + math.log1p(-2.0 ** (1 - m))
+
+
 def threshold(N: int, m: int, alpha: float = ALPHA) -> float:
-    """eps with (2^m - 2) exp(-2 N eps^2) = alpha (m >= 2)."""
-    return math.sqrt((math.log(2.0 ** m - 2) - math.log(alpha)) / (2 * N))
+    """eps with (2^m - 2) exp(-2 N eps^2) = alpha."""
+    return math.sqrt((log_sets(m) - math.log(alpha)) / (2 * N))
 
 
 def detects(N: int, m: int, alpha: float = ALPHA, beta: float = BETA) -> float:
@@ -153,7 +160,7 @@ def certify_samples(name: str, samples: torch.Tensor, law: dict, V: int, alpha: 
     tv = 0.5 * float((counts / N - P).abs().sum())
     if (counts[P == 0] > 0).any():
         return Verdict(name, "stat", False, tv, eps, 0.0, N, m, power, "emitted an outcome of target probability 0")
-    p_value = min(1.0, math.exp(math.log(2.0 ** m - 2) - 2 * N * tv * tv))
+    p_value = math.exp(min(0.0, log_sets(m) - 2 * N * tv * tv))
     return Verdict(name, "stat", tv <= eps, tv, eps, p_value, N, m, power)
 
 

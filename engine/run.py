@@ -26,6 +26,7 @@ from pathlib import Path
 
 import torch
 
+from engine.cost import load_table
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
 from engine.packed import prepack, quantize_int4
@@ -69,6 +70,9 @@ def parser() -> argparse.ArgumentParser:
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--cost-table", metavar="JSON",
+                   help="this machine's k-row forward costs for the adaptive choices, as written by "
+                        "`python -m tools.bench --forward-cost` (default: engine/cost.py's model)")
     g = p.add_argument_group("lookahead (None = chosen automatically)")
     g.add_argument("--window", type=int, help="W, Jacobi window columns")
     g.add_argument("--ngram", type=int, help="N, n-gram size")
@@ -77,8 +81,10 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("speculative")
     g.add_argument("--draft", default=f"layers:{SELF_DRAFT_LAYERS}",
                    help="draft checkpoint dir, or layers:L: the target's first L layers (default %(default)s)")
-    g.add_argument("--num-draft", type=int, default=4, help="K draft tokens per step (the start, with --adaptive)")
-    g.add_argument("--adaptive", action="store_true", help="choose K per step from measured acceptance and costs")
+    g.add_argument("--num-draft", type=int,
+                   help="K draft tokens per step (default 4; with --adaptive, the K it starts from: 1)")
+    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="choose K per step (0 = a plain step) from the acceptance seen and the cost model (default on)")
     g.add_argument("--verify", default="rejection", choices=["rejection", "coupled"],
                    help="rejection sampling, or coupled noise (seed-identical to plain)")
     g = p.add_argument_group("contrastive")
@@ -227,6 +233,7 @@ def run(args) -> dict:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
                          f" exceeds the model's context ({context})")
     bound_knobs(args, args.max_new_tokens, context)
+    args.cost_table = load_table(args.cost_table) if args.cost_table else None
     model = load(ckpt, args)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     d = DECODERS[args.decoder]

@@ -40,6 +40,7 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     (["--decoder", "lookahead", "--trim-layers", "31", "--prompt", "hi"], "trim_layers"),
     (["--decoder", "lookahead", "--trim-layers", "-1", "--prompt", "hi"], "trim_layers"),
     (["--decoder", "contrastive", "--beta", "-1", "--prompt", "hi"], "beta"),
+    (["--decoder", "lookahead", "--cost-table", "/nonexistent.json", "--prompt", "hi"], "forward-cost"),
 ])
 def test_bad_input_on_the_real_checkpoint_is_one_line_and_exit_2(argv, words, capsys):
     # refused before the first token: no half answer on stdout ahead of the error

@@ -4,6 +4,7 @@ from pathlib import Path
 import shlex
 
 import pytest
+import torch
 
 from conftest import tiny_llama
 
@@ -100,3 +101,8 @@ def test_forward_cost_run_writes_its_json_plot_and_command(tmp_path, capsys):
     assert set(saved["forward_cost"]["engine"]) == {"1", "2"}
     assert saved["command"] == "python -m tools.bench " + shlex.join(argv)
     assert (tmp_path / "forward-cost.png").stat().st_size > 0
+    # a figure is true of one machine: the JSON names it (CPU, the ISA flags that change
+    # kernels, threads, torch and its dispatch)
+    m = saved["machine"]
+    assert m["cpu"] and m["torch"] == torch.__version__ and m["threads"] >= 1 and m["dispatch"]
+    assert set(m["isa"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16"}

@@ -36,6 +36,7 @@ from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from engine.weights import DTYPES
 from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.machine import describe, machine
 
 KS = (1, 2, 4, 8, 16, 32, 64)
 PROMPT_TOKENS = 100                     # the cache a forward attends to, a realistic prompt
@@ -503,7 +504,8 @@ def run(args: argparse.Namespace) -> dict:
     dtype = DTYPES[args.dtype]
     if args.threads:
         torch.set_num_threads(args.threads)  # this process only, asked for on the command line
-    result = {"device": str(args.device), "dtype": args.dtype, "threads": torch.get_num_threads()}
+    result = {"machine": machine(str(args.device)), "device": str(args.device), "dtype": args.dtype,
+              "threads": torch.get_num_threads()}
     if args.random_weights:
         progress("building a random SmolLM2-135M-shaped model")
         model = random_model(device=args.device, dtype=torch.float32 if args.int4 else dtype)
@@ -541,11 +543,12 @@ def run(args: argparse.Namespace) -> dict:
 
 
 def print_table(result: dict, out: Path) -> None:
+    print(f"machine: {describe(result['machine'])}")
     print(f"device {result['device']}, {result['dtype']}, {result['threads']} threads, "
           f"linear {result['linear']}")
     if "decoders" in result:
         table = markdown(result["decoders"])
-        write_atomic(out / "bench.md", f"`{result['command']}`\n\n{table}".encode())
+        write_atomic(out / "bench.md", f"`{result['command']}`\n\nMachine: {describe(result['machine'])}\n\n{table}".encode())
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")

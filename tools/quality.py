@@ -29,6 +29,7 @@ from engine.decoders import DECODERS
 from engine.generate import generate
 from engine.llama import Llama
 from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.machine import describe, machine
 from engine.sampling import Random, Sampler
 
 # short on purpose: the 135M model's answers wander off or stop early on long asks
@@ -246,10 +247,11 @@ def main(argv: list[str] | None = None) -> int:
     for r in records:
         r["text"] = tok.decode([x for x in r["tokens"] if x not in tok.eos_ids])
     summary = summarize(records)
-    table = markdown(summary, args.max_new_tokens)
+    where = machine()
+    table = f"Machine: {describe(where)}\n\n" + markdown(summary, args.max_new_tokens)
     write_atomic(out / "quality.md", table.encode())
     write_atomic(out / "quality.json", json.dumps(
-        {"max_new_tokens": args.max_new_tokens, "seeds": seeds, "prompts": PROMPTS,
+        {"machine": where, "max_new_tokens": args.max_new_tokens, "seeds": seeds, "prompts": PROMPTS,
          "summary": summary, "records": records}, indent=1).encode())
     plot(summary, out / "quality.png")
     print(table)

@@ -48,6 +48,8 @@ def test_compare_runs_every_config_and_checks_tokens_against_plain():
         for cat in prompts:
             assert table[name][cat]["same_tokens_as_plain"] == 1.0
     assert table["plain"]["a"]["speedup"] == 1.0 and table["plain"]["a"]["tokens_per_forward"] == 1.0
+    # "all" pools every prompt, and each cell carries the spread of its per-run speedups
+    assert table["spec"]["all"]["speedup_range"][0] <= table["spec"]["all"]["speedup"] <= table["spec"]["all"]["speedup_range"][1]
     assert table["spec"]["b"]["acceptance_by_position"]           # drafts were tried
     assert "| lookahead W5 N4 G5 |" in markdown(table)
 

@@ -219,6 +219,9 @@ CONFIGS = {
     "speculative L=12 K=3": ("speculative", speculative.SelfDraft(12), dict(num_draft=3)),
     "speculative L=20 adaptive": ("speculative", speculative.SelfDraft(20), dict(adaptive=True)),
 }
+DEFAULT_CONFIGS = ("plain", "lookahead auto", "speculative L=20 adaptive")   # what `make bench` runs
+# a config is compared with plain, unless it runs on another model: then with plain on that one
+BASELINE = {"lookahead auto --int4": "plain --int4"}
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
@@ -232,7 +235,7 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     seconds = time.perf_counter() - t0
     return {"tokens": tokens, "tok_s": len(tokens) / seconds, "decode_tok_s": stats.decode_tokens_per_second,
             "forwards": stats.n_forwards, "drafted": [s.drafted for s in steps],
-            "accepted": [s.accepted for s in steps]}
+            "accepted": [s.accepted for s in steps], "arms": [getattr(s, "arm", "") for s in steps[1:] if getattr(s, "arm", "")]}
 
 
 def record(steps, log: list[Step]):
@@ -245,8 +248,9 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
             max_new_tokens: int = 64, eos_ids=()) -> dict:
     """Run every config on every prompt, interleaved, `repeats` times; summarise against plain.
 
-    Speedup is per prompt and repeat: tokens/s of the config over plain's in the same round,
-    then the median over a category's prompts and rounds.
+    Speedup is per prompt and repeat: tokens/s of the config over its baseline's (plain, or
+    BASELINE) in the same round, then the median over a category's prompts and rounds, with the
+    lowest and highest beside it; category "all" pools every prompt.
     """
     runs = {}                                                   # (config, category, i, r) -> run
     total = repeats * sum(map(len, prompts.values())) * len(configs)
@@ -258,21 +262,30 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
                     runs[name, cat, i, r] = (config(prompt) if callable(config)   # HF's generate
                                              else decode_once(model, prompt, config, max_new_tokens, eos_ids))
     out = {}
+    cats = {c: [(c, i, r) for i in range(len(p)) for r in range(repeats)] for c, p in prompts.items()}
+    cats["all"] = [k for keys in cats.values() for k in keys]
     for name in configs:
-        rows = {}
-        for cat, plist in prompts.items():
-            keys = [(cat, i, r) for i in range(len(plist)) for r in range(repeats)]
+        rows, baseline = {}, BASELINE.get(name, "plain")
+        for cat, keys in cats.items():
             mine = [runs[(name,) + k] for k in keys]
-            base = [runs[("plain",) + k] for k in keys]
+            base = [runs[(baseline,) + k] for k in keys]
+            ratios = [m["tok_s"] / b["tok_s"] for m, b in zip(mine, base)]
             rows[cat] = {
                 "tok_s": statistics.median(m["tok_s"] for m in mine),
-                "speedup": statistics.median(m["tok_s"] / b["tok_s"] for m, b in zip(mine, base)),
+                "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
                 "tokens_per_forward": sum(len(m["tokens"]) for m in mine) / sum(m["forwards"] for m in mine),
                 "same_tokens_as_plain": sum(m["tokens"] == b["tokens"] for m, b in zip(mine, base)) / len(mine),
                 "acceptance_by_position": by_position([m for m in mine]),
+                "arms": arm_shares(mine),
             }
         out[name] = rows
     return out
+
+
+def arm_shares(runs: list[dict]) -> dict[str, float]:
+    """The share of steps each arm took (lookahead's automatic choice, speculative's K)."""
+    arms = [a for run in runs for a in run.get("arms", [])]
+    return {a: round(arms.count(a) / len(arms), 3) for a in sorted(set(arms))} if arms else {}
 
 
 def by_position(runs: list[dict], upto: int = 8) -> list[float]:
@@ -361,12 +374,13 @@ def memory(checkpoint: Path, max_new_tokens: int) -> dict:
 
 
 def markdown(table: dict) -> str:
+    """Cell: median speedup over the baseline [lowest-highest] (tokens per target forward)."""
     cats = list(next(iter(table.values())))
-    head = "| config | " + " | ".join(f"{c} tok/s (speedup, tok/fwd)" for c in cats) + " | same tokens |"
+    head = "| config | " + " | ".join(cats) + " | same tokens |"
     lines = [head, "|" + "---|" * (len(cats) + 2)]
     for name, rows in table.items():
-        cells = [f"{rows[c]['tok_s']:.1f} ({rows[c]['speedup']:.2f}x, {rows[c]['tokens_per_forward']:.2f})"
-                 for c in cats]
+        cells = [f"{rows[c]['speedup']:.2f}x [{rows[c]['speedup_range'][0]:.2f}-{rows[c]['speedup_range'][1]:.2f}]"
+                 f" ({rows[c]['tokens_per_forward']:.2f})" for c in cats]
         same = min(rows[c]["same_tokens_as_plain"] for c in cats)
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {same:.0%} |")
     return "\n".join(lines) + "\n"
@@ -446,15 +460,16 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--threads", type=int, default=0,
                    help="torch threads for this run (0 = torch's default, left alone)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
-    p.add_argument("--rounds", type=int, default=2, help="decoder runs per prompt and config (median)")
+    p.add_argument("--rounds", type=int, default=3, help="decoder runs per prompt and config (median)")
     p.add_argument("--quick", action="store_true", help="one prompt per category")
     p.add_argument("--configs", type=lambda s: s.split(","), default=None,
-                   help="comma-separated subset of the decoder configs (plain is always run)")
+                   help="comma-separated decoder configs, or 'all' (plain is always run; "
+                        f"default: {', '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--hf-python", help="a python with transformers for the outside reference "
                    "(default: this one, skipped if it lacks transformers; one named here must have it)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="table, JSON and plot go here")
     args = p.parse_args(argv)
-    unknown = set(args.configs) - set(CONFIGS) if args.configs else set()
+    unknown = set(args.configs) - set(CONFIGS) - {"all"} if args.configs else set()
     if unknown:
         p.error(f"--configs: unknown {sorted(unknown)}; choose from {list(CONFIGS)}")
     try:
@@ -527,13 +542,16 @@ def run(args: argparse.Namespace) -> dict:
         result["memory"] = memory(args.checkpoint, args.max_new_tokens)
     if not (args.forward_cost or args.roof or args.memory):
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
-        configs = {n: c for n, c in CONFIGS.items() if n == "plain" or not args.configs or n in args.configs}
+        wanted = DEFAULT_CONFIGS if args.configs is None else CONFIGS if args.configs == ["all"] else args.configs
+        configs = {n: c for n, c in CONFIGS.items() if n == "plain" or n in wanted}
         hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
                           required=args.hf_python is not None)
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
             # the inexact --int4 mode as one more row: its speed, and how often it agrees
             q = prepack(quantize_int4(load_model(args.checkpoint)))
             configs["plain --int4"] = lambda p: decode_once(q, p, CONFIGS["plain"], args.max_new_tokens, eos)
+            configs["lookahead auto --int4"] = lambda p: decode_once(q, p, CONFIGS["lookahead auto"],
+                                                                     args.max_new_tokens, eos)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)

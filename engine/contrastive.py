@@ -24,9 +24,10 @@ from engine.draft import pair_for
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_rejection
+from engine.trace import verdicts
 
 
-def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, beta: float = 0.5,
+def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, beta: float = 1.0,
            form: str = "logit", amateur_temperature: float = 1.0) -> Tensor:
     """(..., V) contrastive scores in float64, -inf outside the plausible set V_head.
 
@@ -59,9 +60,9 @@ def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, be
 
 
 def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: Sampler,
-           rng: Random, max_new_tokens: int, alpha: float = 0.1, beta: float = 0.5,
+           rng: Random, max_new_tokens: int, alpha: float = 0.1, beta: float = 1.0,
            amateur_temperature: float = 1.0, form: str = "logit", speculative: bool = False,
-           num_draft: int | None = None) -> Iterator[Step]:
+           num_draft: int | None = None, trace: bool = False) -> Iterator[Step]:
     """Contrastive decoding; with `speculative`, the amateur drafts K = num_draft tokens.
 
         seq = prompt; K = num_draft if speculative else 0
@@ -77,7 +78,9 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
     sampling keeps the target law for any q (here the sampler on the raw amateur logits), and
     a_i is the amateur at the very position e_i verifies. With an early-exit amateur, drafting
     runs layers < L and the verifying pass resumes at L on the same states: layers < L see
-    only tokens, so their K/V and states are what a full forward would compute.
+    only tokens, so their K/V and states are what a full forward would compute. beta = 1.0 by
+    default, as docs/quality.md chose. `trace` puts each position's expert argmax, pick and
+    plausible-set size (and the drafts' verdicts) in `Step.trace` (engine/trace.py prints it).
     """
     if isinstance(amateur, int) and not 0 <= amateur < expert.config.n_layers:
         raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur}")
@@ -104,9 +107,15 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         start = pair.target_seen
         e = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, t + K, device=device),
                         K + 1)                                              # (K+1, V)
-        p = sampler.probs(scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature))
+        s = scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature)  # (K+1, V)
+        p = sampler.probs(s)
         q = torch.stack(q_rows) if K else p[:0]                             # (K, V)
         out = verify_rejection(p, q, drafts, rng, t)
         pair.rollback(t + len(out) - 1)                                     # keep accepted drafts
         seq += out
-        yield Step(out, drafted=K, accepted=len(out) - 1)
+        info = None
+        if trace:   # per emitted position: the expert's own choice, the contrastive one, |V_head|
+            info = {"kind": "contrastive", "position": t, "expert": e.argmax(-1).tolist(),
+                    "best": s.argmax(-1).tolist(), "plausible": s.isfinite().sum(-1).tolist(),
+                    **verdicts(p, q, drafts, out, [rng.uniform("accept", t + i) for i in range(K)])}
+        yield Step(out, drafted=K, accepted=len(out) - 1, draft_forwards=K + 1, trace=info)

@@ -2,15 +2,16 @@
 
 The CLI (engine/run.py), the benchmark and the quality report (tools/) all read this table.
 Adding a decoder is a module with `decode(model, [second,] prompt, *, sampler, rng,
-max_new_tokens, **knobs) -> Iterator[Step]`, one line here, a flag per knob in engine/run.py,
-and its tests (README, "Adding a decoder").
+max_new_tokens, trace=False, **knobs) -> Iterator[Step]`, one line here, a flag per knob in
+engine/run.py, and its tests (README, "Adding a decoder"; engine/lookup.py is the worked example).
+Every decoder takes `trace`: the CLI passes --trace to all of them.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from engine import contrastive, lookahead, speculative
+from engine import contrastive, lookahead, lookup, speculative
 from engine.generate import plain
 
 
@@ -29,4 +30,5 @@ DECODERS = {
                            speculative.SelfDraft),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
                                                 "speculative", "num_draft"), "amateur"),
+    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens")),
 }

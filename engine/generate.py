@@ -23,19 +23,39 @@ from engine.sampling import Random, Sampler
 
 @dataclass
 class Step:
-    tokens: list[int]      # newly accepted, len >= 1
+    tokens: list[int]      # newly accepted: the accepted drafted tokens, then one of the target's
     forwards: int = 1      # target forwards spent on them
-    drafted: int = 0       # draft tokens the target verified this step
-    accepted: int = 0      # of which accepted
+    drafted: int = 0       # drafted tokens the target verified this step
+    accepted: int = 0      # of which accepted: always len(tokens) - 1
+    draft_forwards: int = 0  # forwards of the second model (draft or amateur) this step
+    trace: dict | None = None  # what happened, only when the decoder is asked to trace (engine/trace.py)
 
 
 @dataclass
 class Stats:
+    """What `generate()` counts, every field defined once and the same for every decoder.
+
+    tokens           tokens emitted, after the cut at EOS, stop string or budget
+    target forwards  forwards of the target (expert) model, prefill included: one per step
+    draft forwards   forwards of the second model: speculative's draft (K a step), contrastive's
+                     amateur (K+1 a step); a layers:L one runs only layers < L and the head
+    tokens/forward   tokens / target forwards
+    drafted          tokens proposed and verified by the target: speculative's K drafts,
+                     lookahead's guess rows, lookup's copied tokens; 0 for plain and contrastive
+    accepted         accepted drafted tokens, counted after the cut as the step lengths are: a
+                     step emits its accepted drafts + 1 token, so tokens = steps + accepted
+    acceptance       accepted / drafted
+    hit rate         hits / verifying steps: a hit is a step that emitted more than one token
+                     (an accepted draft kept), a verifying step one that verified >= 1 draft
+    tokens per step  histogram "n x steps": "1x15 2x1" = 15 one-token steps, one of two
+    """
     n_tokens: int = 0
     n_forwards: int = 0
+    draft_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
-    hits: int = 0                    # steps that accepted at least one draft token
+    hits: int = 0                    # steps that kept at least one accepted draft
+    verify_steps: int = 0            # steps that verified at least one drafted token
     first_step_tokens: int = 0       # tokens the prefill forward produced
     prefill_seconds: float = 0.0     # until the first step (the prompt's forward)
     decode_seconds: float = 0.0      # every step after it
@@ -46,6 +66,14 @@ class Stats:
         return self.n_tokens / max(self.n_forwards, 1)
 
     @property
+    def acceptance(self) -> float | None:
+        return self.accepted / self.drafted if self.drafted else None
+
+    @property
+    def hit_rate(self) -> float | None:
+        return self.hits / self.verify_steps if self.verify_steps else None
+
+    @property
     def decode_tokens_per_second(self) -> float:
         # the first step's tokens are paid for by the prefill, so they are not counted here
         done = self.n_tokens - self.first_step_tokens
@@ -53,7 +81,7 @@ class Stats:
 
 
 def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
-          max_new_tokens: int) -> Iterator[Step]:
+          max_new_tokens: int, trace: bool = False) -> Iterator[Step]:
     """One token per forward: x_t ~ p(. | x_<t) with the key ("token", t)."""
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens, scratch=0)  # checks the context
     device = model.tok_embeddings.weight.device
@@ -62,8 +90,10 @@ def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
         n = cache.length
         positions = torch.arange(n, n + tokens.shape[1], device=device)
         logits = model(tokens, positions, cache, keep=[-1])                  # (1, 1, V)
-        x = rng.categorical(sampler.probs(logits[0, -1]), "token", cache.length)
-        yield Step([x])
+        probs = sampler.probs(logits[0, -1])                                 # (V,)
+        x = rng.categorical(probs, "token", cache.length)
+        yield Step([x], trace={"kind": "plain", "position": cache.length, "token": x,
+                               "p": float(probs[x])} if trace else None)
         tokens = torch.tensor([[x]], device=device)
 
 
@@ -83,14 +113,19 @@ def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[in
         else:
             stats.decode_seconds += now - t0
         stats.n_forwards += step.forwards
+        stats.draft_forwards += step.draft_forwards
         stats.drafted += step.drafted
-        stats.accepted += step.accepted
-        stats.hits += step.accepted > 0
         take, ended = step.tokens[:max_new_tokens - len(out)], False
         for j, x in enumerate(take):
             if x in eos or (stop is not None and stop(out + take[:j + 1])):
                 take, ended = take[:j + 1], True
                 break
+        # counted after the cut, like the step lengths: a step cut to n tokens kept n - 1 drafts
+        # beyond its one token, whatever it had accepted (so tokens = steps + accepted)
+        kept = min(step.accepted, len(take) - 1)
+        stats.accepted += kept
+        stats.hits += kept > 0
+        stats.verify_steps += step.drafted > 0
         stats.step_lengths[len(take)] += 1
         stats.n_tokens += len(take)
         if i == 0:

@@ -204,7 +204,8 @@ class Auto:
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
            window: int | None = None, ngram: int | None = None, guesses: int | None = None,
-           trim_layers: int = 0, cost_table: dict[int, float] | None = None) -> Iterator[Step]:
+           trim_layers: int = 0, cost_table: dict[int, float] | None = None,
+           trace: bool = False) -> Iterator[Step]:
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
         pool <- n-grams of prompt; window <- N-1 levels x W copied from prompt; x <- prompt[-1]
@@ -220,7 +221,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     (> 0 iff the pool hit). `trim_layers` freezes the window's older levels in the last layers.
     With window and guesses both None, (W, G) is chosen per step by `Auto` among ARMS, priced
     by engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)); with either given, the other
-    defaults to it. W = 0 is prompt-lookup decoding (guesses from the pool only).
+    defaults to it. W = 0 is prompt-lookup decoding (guesses from the pool only). `trace` puts
+    the step's window, guesses, arm and verdict in `Step.trace` (engine/trace.py prints it).
     """
     N = DEFAULT_N if ngram is None else ngram
     auto = Auto(ARMS, row_cost(model, cost_table), N) if window is None and guesses is None else None
@@ -265,15 +267,22 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
         m = len(out) - 1                                              # guess tokens accepted
         cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
+        info = None
+        if trace:   # before the window moves: the rows this forward saw
+            info = {"kind": "lookahead", "position": base + 1, "prefill": len(prefix), "x": x,
+                    "N": N, "arm": ARMS[arm] if arm is not None else None, "window": [l[:] for l in grid],
+                    "parent": parent, "guesses": cands, "best": best, "accepted": m, "next": out[-1]}
         if W:                                                         # the window moves on
             new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (W,) argmax, even sampling
             grid = advance(pool, grid, x, new)
+            if trace:
+                info["minted"] = new
         text += out
         pool.add_text(text, len(text) - len(out))
         if arm is not None:
             auto.update(arm, len(out), len(tokens))
         prefix, x = [], out[-1]
-        yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m)
+        yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m, trace=info)
 
 
 def advance(pool: Pool, grid: list[list[int]], x: int, new: list[int]) -> list[list[int]]:

@@ -32,6 +32,7 @@ from engine.generate import Stats, generate
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.trace import Tracer, traced
 from engine.weights import DTYPES, default_checkpoint, load_config, load_model
 SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
@@ -44,8 +45,28 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
+STATS_HELP = """the stats line (stderr; the same fields in --json):
+  tokens            tokens emitted, after the cut at EOS, --stop or the budget
+  target forwards   forwards of the model that decides (contrastive: the expert), prefill
+                    included: one per step
+  draft forwards    forwards of the second model: speculative's draft (K a step),
+                    contrastive's amateur (K+1 a step); with layers:L only layers < L + head
+  tok/forward       tokens / target forwards
+  acceptance        accepted / drafted. drafted: tokens the target verified, proposed by
+                    speculative's draft, lookahead's n-gram guesses (trie rows) or lookup's
+                    copy; accepted: those kept, counted after the cut (tokens = steps +
+                    accepted). Not shown for plain and contrastive, which draft nothing
+  hit rate          steps that kept an accepted draft / steps that verified at least one
+  tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
+--trace prints each step on stderr: plain its token; lookahead the window (levels x columns,
+with positions), the mask when its shape changes, the arm, the guesses and what was accepted
+from which; speculative each draft's p(x), q(x), u and verdict; contrastive the expert's
+argmax, the pick and |V_head|; lookup the match and what was accepted of it."""
+
+
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m engine.run", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m engine.run", description=__doc__.splitlines()[0], epilog=STATS_HELP,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decoder", default="plain", choices=DECODERS, help="decoding loop")
     p.add_argument("--prompt", help="the prompt (default: read stdin)")
     p.add_argument("--raw", action="store_true",
@@ -70,6 +91,7 @@ def parser() -> argparse.ArgumentParser:
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
                    help="this machine's k-row forward costs for the adaptive choices, as written by "
                         "`python -m tools.bench --forward-cost` (default: engine/cost.py's model)")
@@ -95,6 +117,9 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--amateur-temperature", type=float, default=1.0, help="tau: p_A = softmax(l_A / tau)")
     g.add_argument("--form", default="logit", choices=["logit", "ratio"], help="score form")
     g.add_argument("--speculative", action="store_true", help="the amateur drafts, the expert verifies")
+    g = p.add_argument_group("lookup (prompt lookup decoding)")
+    g.add_argument("--lookup-ngram", type=int, default=3, help="longest n-gram to match (tried from there down to 1)")
+    g.add_argument("--lookup-tokens", type=int, default=8, help="K, tokens copied after the match and verified")
     return p
 
 
@@ -200,7 +225,7 @@ def bound_knobs(args, room: int, context: int) -> None:
             setattr(args, name, top)
 
     knobs = DECODERS[args.decoder].knobs
-    for name in ("window", "guesses", "num_draft"):
+    for name in ("window", "guesses", "num_draft", "lookup_tokens"):
         if name in knobs:
             clamp(name, room)
     if "ngram" in knobs:
@@ -237,8 +262,10 @@ def run(args) -> dict:
     model = load(ckpt, args)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     d = DECODERS[args.decoder]
-    steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=rng,
+    steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=rng, trace=args.trace,
                      max_new_tokens=args.max_new_tokens, **{k: getattr(args, k) for k in d.knobs})
+    if args.trace:
+        steps = traced(steps, Tracer(tok.decode))
     # a stop string that the newest token completes lies in the text of the last m tokens
     # (m = its bytes: every token is at least one byte); one more token keeps its lead intact
     tail = max((len(s.encode()) for s in args.stop), default=0) + 1
@@ -262,9 +289,9 @@ def run(args) -> dict:
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
             "tokens_per_second": stats.n_tokens / seconds, "prefill_seconds": stats.prefill_seconds,
             "decode_tokens_per_second": stats.decode_tokens_per_second,
-            "acceptance": stats.accepted / stats.drafted if stats.drafted else None,
-            "hit_rate": stats.hits / stats.n_forwards if stats.drafted else None,
-            "step_lengths": dict(sorted(stats.step_lengths.items())),
+            "draft_forwards": stats.draft_forwards, "drafted": stats.drafted, "accepted": stats.accepted,
+            "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
+            "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb()}
 
 
@@ -319,15 +346,21 @@ def main(argv: list[str] | None = None) -> int:
     except (ValueError, KeyError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    hist = " ".join(f"{k}:{v}" for k, v in result["step_lengths"].items())
-    acc = "" if result["acceptance"] is None else \
-        f" | acceptance {result['acceptance']:.2f} | hit rate {result['hit_rate']:.2f}"
     if not args.json:
-        print(f"[{result['decoder']}] {result['n_tokens']} tokens | {result['n_forwards']} forwards | "
-              f"{result['tokens_per_forward']:.2f} tok/forward | prefill {result['prefill_seconds']:.2f} s | "
-              f"decode {result['decode_tokens_per_second']:.1f} tok/s{acc} | tokens per step {hist}",
-              file=sys.stderr)
+        print(stats_line(result), file=sys.stderr)
     return 0
+
+
+def stats_line(r: dict) -> str:
+    """The stderr stats line; every field is defined in STATS_HELP (--help)."""
+    hist = " ".join(f"{k}x{v}" for k, v in r["step_lengths"].items())
+    draft = f" | {r['draft_forwards']} draft forwards" if r["draft_forwards"] else ""
+    acc = "" if r["acceptance"] is None else (
+        f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"
+        + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))
+    return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
+            f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
+            f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s")
 
 
 def quiet_stdout() -> None:

@@ -21,6 +21,7 @@ from engine.draft import pair_for
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
+from engine.trace import verdicts
 
 
 @dataclass(frozen=True)
@@ -95,7 +96,7 @@ def costs(target: Llama, draft: Llama | SelfDraft, cost_table=None) -> tuple[flo
 def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, num_draft: int | None = None, verify: str = "rejection",
            adaptive: bool = False, max_draft: int = 16,
-           cost_table: dict[int, float] | None = None) -> Iterator[Step]:
+           cost_table: dict[int, float] | None = None, trace: bool = False) -> Iterator[Step]:
     """Speculative decoding; one Step per target forward (the first one also eats the prompt).
 
         n = len(x); K = min(K, tokens left - 1)
@@ -107,7 +108,8 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         truncate both caches to the committed prefix
         adaptive: K = argmax_k sum_{i<=k} alpha^i / (k c_draft + c_verify(k)), K = 0 a plain step
     The K schedule depends only on the tokens seen (`Tuner`), so it never changes the output law,
-    and a seed gives the same tokens on every run, under either verification.
+    and a seed gives the same tokens on every run, under either verification. `trace` puts each
+    draft's p(x), q(x), u and verdict in `Step.trace` (engine/trace.py prints it).
     """
     if verify not in ("rejection", "coupled"):
         raise ValueError(f"verify must be 'rejection' or 'coupled', got {verify!r}")
@@ -143,13 +145,20 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
             logits = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device),
                                  k + 1)                                               # (K+1, V)
             if verify == "rejection":
-                out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
+                p = sampler.probs(logits)                                            # (K+1, V)
+                out = verify_rejection(p, q, drafts, rng, n)
             else:
                 out, _ = verify_match(logits[0], logits[None, 1:], as_tensor(drafts), sampler, rng, n)
             if tuner:
                 tuner.update(k, len(out) - 1)
             pair.rollback(n + len(out) - 1)   # the last emitted token is fed next step
             seq += out
-            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1)
+            info = None
+            if trace:   # the uniform each verdict read: ("accept", t), or plain's ("token", t) if coupled
+                p = sampler.probs(logits) if verify == "coupled" else p
+                u = [rng.uniform("accept" if verify == "rejection" else "token", n + i) for i in range(k)]
+                info = {"kind": "speculative", "position": n, "verify": verify, "adaptive": bool(tuner),
+                        **verdicts(p, q, drafts, out, u)}
+            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k, trace=info)
 
     return steps(list(prompt), len(prompt) + max_new_tokens)

@@ -1,0 +1,72 @@
+"""Prompt lookup decoding: guess that the text repeats itself, and let one forward check.
+
+Saxena 2023, "Prompt Lookup Decoding" (github.com/apoorvumang/prompt-lookup-decoding); HF
+transformers calls it `prompt_lookup_num_tokens`, llama.cpp `lookup`. Summaries, code edits
+and chat answers copy whole stretches of their prompt, so the tokens that followed an earlier
+occurrence of the last few tokens are a free draft: no draft model, no extra state.
+
+This file is the README's "adding a decoder" example: a `decode` generator yielding one Step
+per target forward, one line in engine/decoders.py, a flag per knob in engine/run.py
+(--lookup-ngram, --lookup-tokens) and tests/test_lookup.py. The drafts are checked with
+`verify_match`, so the output is plain decoding's, greedy or sampled with the same seed.
+But: a linear scan for the match (llama.cpp keeps an n-gram map), one guess per step.
+"""
+from __future__ import annotations
+
+from typing import Iterator
+
+import torch
+
+from engine.generate import Step
+from engine.kvcache import KVCache
+from engine.llama import Llama
+from engine.sampling import Random, Sampler, verify_match
+
+
+def find(text: list[int], ngram: int, k: int) -> tuple[list[int], int, int]:
+    """(guess, n, start): the k tokens after the latest earlier occurrence of text's last n
+    tokens, n tried from `ngram` down to 1; ([], 0, -1) when nothing matches.
+
+    Example: text=[5, 6, 7, 9, 5, 6], ngram=2, k=3 -> ([7, 9, 5], 2, 0).
+    """
+    for n in range(min(ngram, len(text) - 1), 0, -1):
+        tail = text[-n:]
+        for i in range(len(text) - n - 1, -1, -1):   # latest first; a match ends before the tail does
+            if text[i:i + n] == tail:
+                return text[i + n:i + n + k], n, i
+    return [], 0, -1
+
+
+def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
+           lookup_ngram: int = 3, lookup_tokens: int = 8, trace: bool = False) -> Iterator[Step]:
+    """Prompt lookup decoding (Saxena 2023), one yield per forward; greedy or sampled, exact.
+
+        text <- prompt
+        loop:
+            g <- the K tokens after the latest earlier match of text[-n:], n = N..1 ([] if none)
+            logits <- model(text[-1] + g), causal, rows after the cache        # 1 + K rows
+            y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix
+            cache <- drop the rows of the rejected guesses;  text += y;  yield y
+    """
+    if not prompt:
+        raise ValueError("lookup needs a prompt of at least one token")
+    if not all(type(v) is int for v in (lookup_ngram, lookup_tokens)) or lookup_ngram < 1 or lookup_tokens < 0:
+        raise ValueError(f"need integers lookup_ngram >= 1, lookup_tokens >= 0; got {lookup_ngram!r}, {lookup_tokens!r}")
+    K = min(lookup_tokens, max_new_tokens)                # a guess never runs past the budget
+    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + K, scratch=K)
+    device = model.tok_embeddings.weight.device
+    text, end = list(prompt), len(prompt) + max_new_tokens
+    while True:
+        n = len(text)                                     # position of the first new token
+        guess, m, start = find(text, lookup_ngram, min(K, max(end - n - 1, 0)))
+        feed = text[cache.length:] + guess                # the prompt first, then the last token
+        positions = torch.arange(cache.length, cache.length + len(feed), device=device)
+        logits = model(torch.tensor([feed], device=device), positions, cache,
+                       keep=list(range(-len(guess) - 1, 0)))[0]                # (1+K, V)
+        cand = torch.tensor([guess], dtype=torch.long).view(1, len(guess))     # (1, K)
+        out, _ = verify_match(logits[0], logits[None, 1:], cand, sampler, rng, n)
+        cache.truncate(n + len(out) - 1)                  # keep the accepted guesses; y[-1] is fed next
+        text += out
+        info = {"kind": "lookup", "position": n, "ngram": m, "source": start, "guess": guess,
+                "accepted": len(out) - 1, "next": out[-1]} if trace else None
+        yield Step(out, drafted=len(guess), accepted=len(out) - 1, trace=info)

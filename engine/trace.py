@@ -1,0 +1,154 @@
+"""What a step did, in words: `python -m engine.run --trace` prints this on stderr.
+
+Decoders never print. Asked with `trace=True`, each one puts a plain dict in `Step.trace`
+("kind" names the decoder; ids and floats only); this module turns it into lines with the
+tokenizer. `claimed(trace)` is what a trace says the step emitted: tests/test_trace.py holds
+every decoder to claimed(step.trace) == step.tokens, so the trace cannot tell a story the
+tokens do not.
+
+    #12 @47 speculative K=2 rejection
+      draft ' Paris'  p=0.912 q=0.850 u=0.118  accept  (u < p/q)
+      draft '.'       p=0.050 q=0.601 u=0.402  reject  (u >= p/q)
+      corrected ','  ~ norm((p - q)+)
+      emitted ' Paris' ','
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Iterable, Iterator
+
+import torch
+from torch import Tensor
+
+
+def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float]) -> dict:
+    """A draft-then-verify step: each draft's p(x), q(x), the uniform u its verdict read, and
+    the verdict; then the target's own token (the correction, or the bonus if all passed)."""
+    k, m = len(drafts), len(out) - 1
+    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
+    px, qx = p[rows, ids].tolist(), q[rows, ids].tolist()                    # (K,) each
+    verdict = ["accept"] * m + ["reject"] * (m < k) + ["unverified"] * (k - m - 1)
+    return {"k": k, "next": out[-1], "bonus": m == k,
+            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v}
+                       for x, a, b, c, v in zip(drafts, px, qx, u, verdict)]}
+
+
+def claimed(trace: dict) -> list[int]:
+    """The tokens a trace says its step emitted: the drafted ones it accepted, then one more."""
+    kind = trace["kind"]
+    if kind == "plain":
+        return [trace["token"]]
+    if kind == "lookahead":
+        return list(trace["guesses"][trace["best"]][:trace["accepted"]] if trace["accepted"] else []) + [trace["next"]]
+    if kind == "lookup":
+        return trace["guess"][:trace["accepted"]] + [trace["next"]]
+    return [d["token"] for d in trace["drafts"] if d["verdict"] == "accept"] + [trace["next"]]
+
+
+class Tracer:
+    """Formats traces with `decode` (ids -> text); remembers the last lookahead mask shown."""
+
+    def __init__(self, decode: Callable[[list[int]], str]):
+        self.decode, self.mask = decode, None
+
+    def show(self, ids) -> str:
+        return " ".join(repr(self.decode([t])) for t in ids)
+
+    def lines(self, n: int, t: dict) -> list[str]:
+        head = f"#{n} @{t['position']} {t['kind']}"
+        return getattr(self, t["kind"])(head, t)
+
+    def plain(self, head, t):
+        return [f"{head}  {self.show([t['token']])}  p={t['p']:.3f}"]
+
+    def lookahead(self, head, t):
+        W, N, x, P = len(t["window"][0]) if t["window"] else 0, t["N"], t["x"], t["position"] - 1
+        arm, G = t["arm"], len(t["guesses"])
+        how = (f"W={W} N={N}" if arm is None else "arm plain (one row)" if arm == (0, 0) else
+               f"arm lookup (W=0, G={arm[1]})" if arm[0] == 0 else f"arm W={arm[0]} G={arm[1]}")
+        out = [f"{head} {how}  x={self.show([x])} @{P}"
+               + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]
+        for l, level in enumerate(t["window"] if W else []):   # level l, column k: position P + l + k
+            cells = [x if l == 0 and k == 0 else tok for k, tok in enumerate(level)]
+            out.append(f"  window level {l} @{P + l}..{P + l + W - 1}: {self.show(cells)}"
+                       + ("  (column 0 is x)" if l == 0 else ""))
+        if "minted" in t:
+            out.append(f"  window minted  @{P + N - 1}..{P + N + W - 2}: {self.show(t['minted'])}  (argmax of each column)")
+        if t["parent"] != self.mask:
+            self.mask = t["parent"]
+            out += self.picture(t["parent"], P, 1 + (N - 1) * W - (W > 0))
+        for g, gram in enumerate(t["guesses"]):
+            out.append(f"  guess {g}: {self.show(gram)}")
+        if t["accepted"]:
+            out.append(f"  accepted {t['accepted']} of guess {t['best']}, then {self.show([t['next']])}")
+        else:
+            out.append(f"  {'no guess matched; ' if G else 'no guesses; '}the target's {self.show([t['next']])}")
+        return out + [f"  emitted {self.show(claimed(t))}"]
+
+    def picture(self, parent: list[int], P: int, window: int) -> list[str]:
+        """The step's tree mask (lookahead.tree_mask), drawn when its shape changes; rows
+        [0, window) are x and the window (level l, column k = row l*W + k), the rest the trie."""
+        seen = []
+        for i in range(len(parent)):             # row i sees itself and its ancestors
+            row, j = {i}, parent[i]
+            while j >= 0:
+                row.add(j)
+                j = parent[j]
+            seen.append(row)
+        rows = f"x and the window 0..{window - 1}" if window > 1 else "x"
+        trie = f", the guesses' trie {window}..{len(parent) - 1}" if len(parent) > window else ""
+        out = [f"  mask, shape changed: {len(parent)} rows ({rows}{trie}); row i sees row j = x"]
+        for i, row in enumerate(seen):
+            out.append(f"    {i:3d} @{P + len(row) - 1:<5d} " + "".join("x" if j in row else "." for j in range(len(parent))))
+        return out
+
+    def lookup(self, head, t):
+        if not t["guess"]:
+            return [f"{head}  no n-gram match: plain step  {self.show([t['next']])}"]
+        return [f"{head}  the last {t['ngram']} token(s) also stand @{t['source']}; the {len(t['guess'])} "
+                f"after them: {self.show(t['guess'])}",
+                f"  accepted {t['accepted']} of {len(t['guess'])}, then {self.show([t['next']])}",
+                f"  emitted {self.show(claimed(t))}"]
+
+    def speculative(self, head, t):
+        rule = "(u < p/q)" if t["verify"] == "rejection" else "(the target's own draw is x)"
+        out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}"
+               + ("  (K = 0: a plain step)" if t["k"] == 0 else "")]
+        out += self.drafts(t["drafts"], rule)
+        out += [self.last(t), f"  emitted {self.show(claimed(t))}"]
+        return out
+
+    def contrastive(self, head, t):
+        rows = [f"expert argmax {self.show([t['expert'][i]])}  contrastive argmax {self.show([t['best'][i]])}"
+                f"  |V_head|={t['plausible'][i]}  pick {self.show([x])}" for i, x in enumerate(claimed(t))]
+        if not t["k"]:
+            return [f"{head}  {rows[0]}"]
+        out = [f"{head} K={t['k']} (the amateur drafts)"] + self.drafts(t["drafts"], "(u < p/q)")
+        return out + [self.last(t)] + [f"  @{t['position'] + i} {r}" for i, r in enumerate(rows)]
+
+    def drafts(self, drafts: list[dict], rule: str) -> list[str]:
+        out = []
+        for d in drafts:
+            if d["verdict"] == "unverified":
+                out.append(f"  draft {self.show([d['token']])}  not verified (an earlier draft was rejected)")
+            else:
+                why = rule if d["verdict"] == "accept" else rule.replace("<", ">=").replace(" is ", " is not ")
+                out.append(f"  draft {self.show([d['token']])}  p={d['p']:.3f} q={d['q']:.3f} "
+                           f"u={d['u']:.3f}  {d['verdict']}  {why}")
+        return out
+
+    def last(self, t: dict) -> str:
+        """The target's own token: p_K is the row after the last draft (rows p_0..p_K)."""
+        if t["bonus"]:
+            return f"  {'bonus' if t['k'] else 'drew'} {self.show([t['next']])} ~ p_{t['k']}"
+        if t.get("verify") == "coupled":
+            return f"  corrected {self.show([t['next']])}: the target's own draw there"
+        return f"  corrected {self.show([t['next']])} ~ norm((p - q)+)"
+
+
+def traced(steps: Iterable, tracer: Tracer, file=sys.stderr) -> Iterator:
+    """Pass the steps through, printing each one's trace first."""
+    for n, step in enumerate(steps):
+        if step.trace is not None:
+            print("\n".join(tracer.lines(n, step.trace)), file=file, flush=True)
+        yield step

@@ -71,9 +71,13 @@ def main(argv=None) -> int:
                           assistant_confidence_threshold=0.0, pad_token_id=0, eos_token_id=None)
     torch.manual_seed(a.seed)
     rows, prompt = [], torch.tensor([PROMPT])
+    # subtle: without an explicit mask generate() infers one from pad_token_id, masking the
+    # prompt's token 0, and then samples another law than target_law's (our first run failed so)
+    mask = torch.ones_like(prompt)
     with torch.no_grad():
         for _ in range(a.samples):
-            rows.append(target.generate(prompt, assistant_model=assistant, generation_config=gc)[0, len(PROMPT):].tolist())
+            out = target.generate(prompt, attention_mask=mask, assistant_model=assistant, generation_config=gc)
+            rows.append(out[0, len(PROMPT):].tolist())
     v = certify_samples(f"HF {__version__} generate(assistant_model=..., do_sample=True)", torch.tensor(rows),
                         target_law(target, a.temperature), V)
     print(json.dumps([asdict(v)], indent=1) if a.json else table([v]))

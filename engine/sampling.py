@@ -11,8 +11,8 @@ Verification primitives, written once for all decoders:
 - `verify_rejection`: chain speculative sampling (Leviathan et al. 2023, arXiv 2211.17192;
   Chen et al. 2023, arXiv 2302.01318), keeps the target law for any draft law q.
 - `verify_match`: draw from the target with position-keyed noise and accept the candidate
-  tokens that equal the draws (lookahead n-grams; coupled drafts, Daliri et al. 2024,
-  arXiv 2408.07978). Output == plain sampling with the same seed, token for token.
+  tokens that equal the draws (lookahead n-grams, lookup copies, coupled drafts). Output ==
+  plain sampling with the same seed, token for token.
 """
 from __future__ import annotations
 
@@ -160,11 +160,12 @@ def check_ids(ids: list[int], V: int, name: str) -> None:
 def verify_rejection(p: Tensor, q: Tensor, drafts: list[int], rng: Random, position: int) -> list[int]:
     """Chain rejection sampling; returns the accepted drafts plus one corrected or bonus token.
 
-    p (K+1, V) target probs after each draft prefix, q (K, V) the law each draft was drawn
-    from, drafts[i] at absolute position `position + i`.
+    drafts x_0..x_{K-1}, x_i at absolute position `position + i`, drawn from q_i (q is (K, V));
+    p (K+1, V) holds the target's rows p_0..p_K, p_i the law at x_i's position.
         accept x_i with prob min(1, p_i(x_i) / q_i(x_i))
         on the first rejection emit y ~ norm(max(0, p_i - q_i)) and stop
-        if all K accepted, emit a bonus y ~ p_K
+        if all K accepted, emit a bonus y ~ p_K: the row after the last draft (0-indexed row K;
+        drawing it from p_{K-1}, the last draft's own row, is the classic bug)
     P(emit x) = q(x) min(1, p/q) + (1 - sum min(p, q)) (p - q)_+(x) / sum (p - q)_+ = p(x).
     Bad input (shapes, ids outside [0, V), rows that are not laws, see `check_probs`) is a
     ValueError: a certification tool calls this with other people's drafts.
@@ -195,6 +196,14 @@ def verify_rejection(p: Tensor, q: Tensor, drafts: list[int], rng: Random, posit
 def verify_match(first: Tensor, rows: Tensor, candidates: Tensor, sampler: Sampler,
                  rng: Random, position: int) -> tuple[list[int], int]:
     """Draw y_j ~ p_j with the key plain sampling uses; accept while some candidate agrees.
+
+    A candidate drawn with the same uniform (coupled drafts: x = icdf(q, u), y = icdf(p, u),
+    one shared u per position) is a shared-uniform inverse-CDF coupling, not a Gumbel or
+    MinHash one (Daliri et al. 2024, arXiv 2408.07978, study those). It buys seed-identity
+    with plain sampling, at a price: it accepts less often than rejection sampling, and how
+    often depends on the order of the vocabulary. p = (.3, .3, .4), q = (0, .3, .7): rejection
+    accepts with probability sum min(p, q) = 0.7; this coupling only when u >= .6, 0.4; with
+    the tokens ordered (1, 2, 0), 0.7 (tests/test_sampling.py computes all three exactly).
 
     first (V,) logits for `position`; candidates (G, n) token ids; rows (G, n, V) logits,
     rows[g, j] = the target's logits after candidates[g, :j+1]. Returns the emitted tokens

@@ -2,9 +2,10 @@
 arXiv 2302.01318): a cheap draft proposes K tokens, the target scores all K+1 prefixes in one
 forward and keeps a prefix of the drafts plus one token of its own. Two verifications:
 - "rejection": accept x ~ q with prob min(1, p/q), else resample: the output law is the target's.
-- "coupled": the draft samples with the noise plain sampling uses at that position and the target
-  keeps drafts while its own draw agrees (Daliri et al. 2024, arXiv 2408.07978): the output is
-  plain sampling's with the same seed, token for token, whatever the draft.
+- "coupled": the draft samples with the uniform plain sampling uses at that position and the
+  target keeps drafts while its own inverse-CDF draw from that uniform agrees: the output is
+  plain sampling's with the same seed, token for token, whatever the draft; it accepts less
+  often than rejection sampling (`verify_match` says how much).
 The draft is another Llama with the target's vocab, or `SelfDraft(L)`: the target's layers [0, L)
 + its norm and head (an early exit), sharing the target's weights and KV cache (engine/draft.py).
 But: batch size 1, one chain of drafts (no trees), no drafts with another tokenizer.

@@ -11,7 +11,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine import contrastive, lookahead, speculative
+from engine import contrastive, lookahead, lookup, speculative
 from engine.generate import plain
 from engine.sampling import Sampler
 from exact_law import decoder_law, llama_next_probs, max_gap, reference_law
@@ -38,6 +38,13 @@ def la_run(W, N, G):
     def run(sampler, n):
         return lambda rng: lookahead.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
                                             window=W, ngram=N, guesses=G)
+    return run
+
+
+def lu_run(N, K):
+    def run(sampler, n):
+        return lambda rng: lookup.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
+                                         lookup_ngram=N, lookup_tokens=K)
     return run
 
 
@@ -80,6 +87,7 @@ ENTRIES = {
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 3),
     "lookahead W=2 N=3 G=2": (la_run(2, 3, 2), target_law, 3),
     "lookahead W=3 N=2 G=3": (la_run(3, 2, 3), target_law, 3),
+    "lookup N=2 K=2": (lu_run(2, 2), target_law, 3),
     "contrastive, separate amateur": (cd_run(DRAFT), cd_law(DRAFT), 3),
     "contrastive ratio form, early exit L=1": (cd_run(1, form="ratio"), cd_law(1, "ratio"), 3),
     "speculative contrastive K=2 (budget 2)": (cd_run(DRAFT, K=2), cd_law(DRAFT), 2),
@@ -102,7 +110,8 @@ def test_decoder_keeps_its_law_with_eos(name):
 
 
 @pytest.mark.parametrize("mutant", ["always accept", "residual = p", "residual not normalised",
-                                    "draft noise reused for the residual", "bonus from p_K instead of p_K+1"])
+                                    "draft noise reused for the residual",
+                                    "bonus from p_K-1 (the last draft's row) instead of p_K"])
 def test_the_speculative_decoder_with_a_classic_bug_fails_its_proof(mutant, monkeypatch):
     # Why: the same harness must catch each bug inside the real decoder, not only in a toy loop.
     from test_sampling import MUTANTS

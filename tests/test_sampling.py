@@ -244,7 +244,7 @@ MUTANTS = {
     "residual = p": (mutant(residual=lambda p, q: p), None),
     "residual not normalised": (mutant(residual=lambda p, q: (p - q).clamp(min=0)), None),
     "draft noise reused for the residual": (mutant(stream="draft"), None),
-    "bonus from p_K instead of p_K+1": (mutant(bonus_row=lambda K: K - 1), None),
+    "bonus from p_K-1 (the last draft's row) instead of p_K": (mutant(bonus_row=lambda K: K - 1), None),
     "q without the temperature applied to p": (verify_rejection, Sampler(temperature=1.0)),
     "top-k applied to p only (q is not the draft's law)": (verify_rejection, Sampler(temperature=0.7)),
 }
@@ -341,3 +341,54 @@ def test_icdf_and_categorical_refuse_rows_that_are_not_laws_and_u_outside_0_1(pr
     if 0 <= u < 1:
         with pytest.raises(ValueError):
             Random(0).categorical(probs, "token", 0)
+
+
+# --------------------------------------------------------------------------- coupled vs rejection
+
+class FixedU(Random):
+    """Every draw reads the same uniform u: one point of the shared-uniform coupling."""
+
+    def __init__(self, u):
+        super().__init__(0)
+        self.u = u
+
+    def uniform(self, stream, position):
+        return self.u
+
+
+def coupled_acceptance(p, q):
+    """P(accept) of a draft x = icdf(q, u) checked by verify_match, exactly: walk every
+    interval of u between the two CDFs' steps, where both draws are constant."""
+    cuts = sorted({0.0, 1.0, *p.cumsum(0).tolist(), *q.cumsum(0).tolist()})
+    total = 0.0
+    for a, b in zip(cuts, cuts[1:]):
+        rng = FixedU((a + b) / 2)
+        x = rng.categorical(q, "token", 0)                       # the draft, with plain's noise
+        out, _ = verify_match(p.log(), torch.zeros(1, 1, len(p)), torch.tensor([[x]]), Sampler(1.0), rng, 0)
+        total += (b - a) * (len(out) == 2)                       # the target's draw was x
+    return total
+
+
+def rejection_acceptance(p, q):
+    """P(accept) of x ~ q under verify_rejection, exactly: for each x, the u below its cutoff."""
+    total = 0.0
+    for x in q.nonzero().flatten().tolist():
+        cut = min(1.0, float(p[x] / q[x]))
+        for a, b in zip([0.0, cut], [cut, 1.0]):
+            if b > a:
+                out = verify_rejection(p[None].expand(2, -1), q[None], [x], FixedU((a + b) / 2), 0)
+                total += float(q[x]) * (b - a) * (out[0] == x and len(out) == 2)
+    return total
+
+
+def test_coupled_accepts_less_than_rejection_and_depends_on_token_order():
+    # Why: coupled verification buys seed-identity with plain sampling; sampling.verify_match
+    # states its price, and these are its numbers: 0.4 against rejection's sum min(p, q) = 0.7,
+    # and 0.7 once the same three tokens are listed in the order (1, 2, 0).
+    p = torch.tensor([.3, .3, .4], dtype=torch.float64)
+    q = torch.tensor([0, .3, .7], dtype=torch.float64)
+    assert rejection_acceptance(p, q) == pytest.approx(0.7)
+    assert coupled_acceptance(p, q) == pytest.approx(0.4)
+    order = [1, 2, 0]
+    assert coupled_acceptance(p[order], q[order]) == pytest.approx(0.7)
+    assert rejection_acceptance(p[order], q[order]) == pytest.approx(0.7)   # order-free

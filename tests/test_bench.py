@@ -108,3 +108,19 @@ def test_forward_cost_run_writes_its_json_plot_and_command(tmp_path, capsys):
     m = saved["machine"]
     assert m["cpu"] and m["torch"] == torch.__version__ and m["threads"] >= 1 and m["dispatch"]
     assert set(m["isa"]) <= {"avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16"}
+
+
+def test_host_split_counts_every_forward_and_restores_the_model():
+    # why: "host work per step" is step time less the time inside the model; an early-exit
+    # draft runs the model through lower()/upper()/head(), which must count as model time too
+    from tools.bench import CONFIGS, host_split
+    from engine import speculative
+    from engine.llama import Llama
+    model = tiny_llama(0, vocab=8, n_layers=3)
+    before = (Llama.blocks, Llama.head)
+    configs = {"plain": CONFIGS["plain"], "spec": ("speculative", speculative.SelfDraft(1), dict(num_draft=2))}
+    split = host_split(model, [1, 2, 3, 1, 2], configs, max_new_tokens=8, repeats=1)
+    assert set(split) == {"plain", "spec"}
+    for s in split.values():
+        assert s["forward_ms"] > 0 and s["host_ms"] >= 0 and 0 <= s["host_share"] <= 1
+    assert (Llama.blocks, Llama.head) == before

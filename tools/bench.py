@@ -218,8 +218,9 @@ CONFIGS = {
     "lookahead W15 N5 G15": ("lookahead", None, dict(window=15, ngram=5, guesses=15)),
     "speculative L=12 K=3": ("speculative", speculative.SelfDraft(12), dict(num_draft=3)),
     "speculative L=20 adaptive": ("speculative", speculative.SelfDraft(20), dict(adaptive=True)),
+    "lookup": ("lookup", None, {}),
 }
-DEFAULT_CONFIGS = ("plain", "lookahead auto", "speculative L=20 adaptive")   # what `make bench` runs
+DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive")   # what `make bench` runs
 # a config is compared with plain, unless it runs on another model: then with plain on that one
 BASELINE = {"lookahead auto --int4": "plain --int4"}
 
@@ -353,6 +354,46 @@ def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
     return f"HF transformers {json.loads(version)} generate", run
 
 
+def host_split(model: Llama, prompt: list[int], configs: dict, max_new_tokens: int, repeats: int) -> dict:
+    """ms per step inside the model's forwards and outside them (the decoder's host work:
+    tries, layout, masks, index tensors, verification), median over `repeats` runs."""
+    inside, cls = [0.0], type(model)
+    originals = {"blocks": cls.blocks, "head": cls.head}   # all of a forward's work, early exits too
+
+    def timer(method):
+        def timed(self, *a, **k):
+            t0 = time.perf_counter()
+            try:
+                return method(self, *a, **k)
+            finally:
+                inside[0] += time.perf_counter() - t0
+        return timed
+    out = {}
+    for name, method in originals.items():
+        setattr(cls, name, timer(method))
+    try:
+        for name, (decoder, second, knobs) in configs.items():
+            runs = []
+            for _ in range(repeats):
+                progress(f"host split: {name}")
+                steps = DECODERS[decoder].decode(*((model,) if second is None else (model, second)), prompt,
+                                                 sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
+                next(steps)                   # the prefill step is not a decode step
+                inside[0], n, t0 = 0.0, 0, time.perf_counter()
+                for n, _ in enumerate(steps, 1):
+                    if n >= max_new_tokens // 2:
+                        break
+                total = time.perf_counter() - t0
+                runs.append((1e3 * inside[0] / n, 1e3 * (total - inside[0]) / n))
+            fwd, host = statistics.median(r[0] for r in runs), statistics.median(r[1] for r in runs)
+            out[name] = {"forward_ms": round(fwd, 2), "host_ms": round(host, 2),
+                         "host_share": round(host / (fwd + host), 3)}
+    finally:
+        for name, method in originals.items():
+            setattr(cls, name, method)
+    return out
+
+
 def memory(checkpoint: Path, max_new_tokens: int) -> dict:
     """Peak resident memory of `python -m engine.run --decoder D --json` per decoder, each in
     a fresh process: while loading (file pages and weight copies) and then while decoding."""
@@ -443,6 +484,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="ms of a k-token forward after a 100-token cache, k in 1..64")
     p.add_argument("--roof", action="store_true",
                    help="weight bytes / memory bandwidth, and plain greedy decode tok/s against it")
+    p.add_argument("--host", action="store_true",
+                   help="ms per decode step inside the model's forwards and outside them (host work)")
     p.add_argument("--memory", action="store_true",
                    help="peak resident memory of each decoder, each run in a fresh process")
     p.add_argument("--naive", action="store_true",
@@ -540,7 +583,12 @@ def run(args: argparse.Namespace) -> dict:
         result["forward_cost_setup"] = {"prompt_tokens": PROMPT_TOKENS, "logits": "all k rows"}
     if args.memory:
         result["memory"] = memory(args.checkpoint, args.max_new_tokens)
-    if not (args.forward_cost or args.roof or args.memory):
+    if args.host:
+        prompts, _ = bench_prompts(args.checkpoint, quick=True)
+        configs = {n: CONFIGS[n] for n in ("plain", "lookahead auto", "lookahead W5 N4 G5", "lookup",
+                                           "speculative L=20 adaptive")}
+        result["host"] = host_split(engine, prompts["chat"][0], configs, args.max_new_tokens, args.repeats)
+    if not (args.forward_cost or args.roof or args.memory or args.host):
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         wanted = DEFAULT_CONFIGS if args.configs is None else CONFIGS if args.configs == ["all"] else args.configs
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or n in wanted}
@@ -570,6 +618,12 @@ def print_table(result: dict, out: Path) -> None:
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")
+    if "host" in result:
+        write_atomic(out / "host.json", json.dumps(result, indent=1).encode())
+        print("decoder                     forward ms/step  host ms/step  host share")
+        for name, h in result["host"].items():
+            print(f"  {name:26}  {h['forward_ms']:15}  {h['host_ms']:12}  {h['host_share']:10.1%}")
+        print(f"written: {out}/host.json")
     if "forward_cost" in result or "roof" in result or "memory" in result:
         write_atomic(out / "forward-cost.json", json.dumps(result, indent=1).encode())
         print(f"written: {out}/forward-cost.json")

@@ -146,9 +146,9 @@ class Tracer:
         return f"  corrected {self.show([t['next']])} ~ norm((p - q)+)"
 
 
-def traced(steps: Iterable, tracer: Tracer, file=sys.stderr) -> Iterator:
-    """Pass the steps through, printing each one's trace first."""
+def traced(steps: Iterable, tracer: Tracer, file=None) -> Iterator:
+    """Pass the steps through, printing each one's trace first (on stderr by default)."""
     for n, step in enumerate(steps):
         if step.trace is not None:
-            print("\n".join(tracer.lines(n, step.trace)), file=file, flush=True)
+            print("\n".join(tracer.lines(n, step.trace)), file=file or sys.stderr, flush=True)
         yield step

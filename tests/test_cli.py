@@ -136,3 +136,40 @@ def test_a_stop_string_spanning_several_tokens_is_seen(capsys):
     out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20",
                     "--stop", "capital of France"], capsys)
     assert out["text"] == "The " and out["n_tokens"] == 4   # The / capital / of / France
+
+
+def test_help_defines_every_stats_field_and_the_trace(capsys):
+    # Why: a number on the stats line that --help does not define is a number nobody can read.
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    for field in ("tokens", "target forwards", "draft forwards", "tok/forward", "acceptance",
+                  "hit rate", "tokens per step", "--trace", "--lookup-ngram", "--lookup-tokens"):
+        assert field in out, field
+
+
+@real
+def test_lookup_traces_its_steps_and_prints_plain_greedy_text(capsys):
+    # Why: the fifth decoder runs from the CLI by its registry line and flags; its trace says,
+    # step by step, exactly the tokens that were printed (the golden greedy answer).
+    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--decoder", "lookup",
+            "--lookup-ngram", "2", "--lookup-tokens", "5", "--trace", "--json"]
+    assert main(argv) == 0
+    out, err = capsys.readouterr()
+    got = json.loads(out)
+    assert got["text"] == "The capital of France is Paris." and got["n_tokens"] == 8
+    emitted = [l for l in err.splitlines() if "emitted" in l or "plain step" in l]
+    assert len(emitted) == got["n_forwards"] and err.startswith("#0 @")
+    assert got["accepted"] == got["n_tokens"] - got["n_forwards"]
+
+
+@real
+def test_a_self_draft_shows_its_draft_forwards(capsys):
+    # Why: speculative with layers:8 once printed "acceptance 0.00" and hid its draft forwards;
+    # they are counted now, and the trace shows each rejected draft with its p, q and u.
+    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "4", "--decoder", "speculative",
+            "--draft", "layers:8", "--no-adaptive", "--num-draft", "3", "--trace"]
+    assert main(argv) == 0
+    err = capsys.readouterr().err
+    assert "reject  (u >= p/q)" in err and "#3 @40 speculative" in err
+    assert "| 4 target forwards | 6 draft forwards |" in err   # K = 3, 2, 1, 0: none past the budget

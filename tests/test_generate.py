@@ -57,3 +57,25 @@ def test_plain_greedy_is_the_argmax_of_full_forwards():
     for _ in range(8):
         seq.append(int(model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1].argmax()))
     assert got == seq[len(prompt):]
+
+
+def test_hits_and_acceptance_are_counted_after_the_cut_like_step_lengths():
+    # Why: the stats line must agree with itself: a step cut to one token by the EOS kept no
+    # accepted draft, so it is not a hit, and tokens = steps + accepted always holds.
+    stats = Stats()
+    out = list(generate(steps([1, 2, 3], [9, 4, 5]), max_new_tokens=10, eos_ids={9}, stats=stats))
+    assert out == [1, 2, 3, 9] and dict(stats.step_lengths) == {3: 1, 1: 1}
+    assert (stats.drafted, stats.accepted, stats.hits, stats.verify_steps) == (6, 2, 1, 2)
+    assert stats.n_tokens == stats.n_forwards + stats.accepted
+    assert (stats.acceptance, stats.hit_rate) == (2 / 6, 1 / 2)
+
+
+def test_hit_rate_counts_only_steps_that_verified_a_draft():
+    # Why: adaptive K = 0 steps (plain steps) verify nothing; they cannot miss, so they are not
+    # in the hit rate's denominator; the draft model's forwards are counted apart.
+    stats = Stats()
+    log = [Step([1], drafted=0, accepted=0), Step([2, 3], drafted=2, accepted=1, draft_forwards=2),
+           Step([4], drafted=0, accepted=0)]
+    list(generate(iter(log), max_new_tokens=10, stats=stats))
+    assert (stats.hits, stats.verify_steps, stats.hit_rate, stats.draft_forwards) == (1, 1, 1.0, 2)
+    assert Stats().acceptance is None and Stats().hit_rate is None

@@ -1,0 +1,157 @@
+"""--trace tells the truth: what a step's trace says it accepted is exactly what the step
+emitted, and its numbers (u, p/q, positions, matches) are the ones the decision read.
+A reader learns the algorithms from these traces, so a trace that flatters them is a bug."""
+import pytest
+import torch
+
+from conftest import tiny_llama
+from engine import contrastive, lookahead, lookup, speculative
+from engine.generate import generate, plain
+from engine.sampling import Random, Sampler
+from engine.trace import Tracer, claimed, traced
+
+V, PROMPT, BUDGET = 6, [1, 2, 3, 1, 2, 4, 1, 2], 64
+TARGET, DRAFT = tiny_llama(0, vocab=V), tiny_llama(3, vocab=V, n_layers=1)
+SAMPLERS = {"greedy": Sampler(), "t=0.8": Sampler(0.8), "t=1.2,top-k=4": Sampler(1.2, top_k=4)}
+
+DECODERS = {   # name -> (sampler, rng, trace) -> steps
+    "plain": lambda s, r, t: plain(TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
+    "lookahead W=3 N=3 G=3": lambda s, r, t: lookahead.decode(
+        TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, window=3, ngram=3, guesses=3, trace=t),
+    "lookahead auto": lambda s, r, t: lookahead.decode(
+        TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
+    "lookup": lambda s, r, t: lookup.decode(TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
+    "speculative K=3": lambda s, r, t: speculative.decode(
+        TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=3, trace=t),
+    "speculative coupled": lambda s, r, t: speculative.decode(
+        TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=2, verify="coupled", trace=t),
+    "speculative adaptive self-draft": lambda s, r, t: speculative.decode(
+        TARGET, speculative.SelfDraft(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, adaptive=True, trace=t),
+    "contrastive": lambda s, r, t: contrastive.decode(
+        TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
+    "speculative contrastive": lambda s, r, t: contrastive.decode(
+        TARGET, 1, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, speculative=True, num_draft=2, trace=t),
+}
+
+
+def letters(ids):   # the tiny models' "tokenizer": token i is the i-th letter
+    return "".join(chr(ord("a") + i) for i in ids)
+
+
+def lies(steps, rng, sampler) -> list[str]:
+    """Every claim of the steps' traces that the steps themselves or the random source refute."""
+    wrong, text = [], list(PROMPT)
+    for n, step in enumerate(steps):
+        t = step.trace
+        if claimed(t) != step.tokens:
+            wrong.append(f"step {n}: claims {claimed(t)}, emitted {step.tokens}")
+        if t["position"] != len(text):
+            wrong.append(f"step {n}: at @{t['position']}, the first new token is @{len(text)}")
+        for i, d in enumerate(t.get("drafts", [])):   # each verdict read the u it shows
+            key = "token" if t.get("verify") == "coupled" else "accept"
+            if d["u"] != rng.uniform(key, len(text) + i):
+                wrong.append(f"step {n}: draft {i} shows u={d['u']}, not its key's")
+            if key == "accept" and d["verdict"] != "unverified" and (d["u"] < d["p"] / d["q"]) != (d["verdict"] == "accept"):
+                wrong.append(f"step {n}: draft {i} says {d['verdict']} for u={d['u']}, p/q={d['p'] / d['q']}")
+        if t["kind"] == "lookup" and t["guess"]:      # the copy follows a real earlier match
+            m, at = t["ngram"], t["source"]
+            if text[at:at + m] != text[-m:] or text[at + m:at + m + len(t["guess"])] != t["guess"]:
+                wrong.append(f"step {n}: no match of the last {m} tokens @{at} followed by {t['guess']}")
+        if t["kind"] == "contrastive" and sampler.greedy and t["best"][:len(step.tokens)] != step.tokens:
+            wrong.append(f"step {n}: greedy picks {step.tokens}, trace says argmax {t['best']}")
+        text += step.tokens
+    return wrong
+
+
+def traced_steps(name, sampler, seed=0, n_steps=12):
+    """The first n_steps steps (fewer if the budget would run out), and the random source."""
+    rng, out = Random(seed), []
+    for step in DECODERS[name](sampler, rng, True):
+        out.append(step)
+        if len(out) == n_steps or sum(len(s.tokens) for s in out) > BUDGET // 2:
+            return out, rng
+
+
+@pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
+@pytest.mark.parametrize("name", DECODERS)
+def test_trace_claims_exactly_what_each_step_emitted(name, sampler):
+    # Why: a trace is read as the story of the step; every claim in it is checked against the
+    # tokens and the keyed random source, for every decoder, greedy and sampled.
+    steps, rng = traced_steps(name, sampler)
+    assert lies(steps, rng, sampler) == []
+
+
+@pytest.mark.parametrize("name", DECODERS)
+def test_tracing_changes_no_token_and_untraced_steps_carry_none(name):
+    # Why: --trace must watch the decoding, not steer it; and the default path builds nothing.
+    sampler = Sampler(0.8)
+    quiet = DECODERS[name](sampler, Random(1), False)
+    loud = DECODERS[name](sampler, Random(1), True)
+    a, b = [next(quiet) for _ in range(8)], [next(loud) for _ in range(8)]
+    assert [s.tokens for s in a] == [s.tokens for s in b]
+    assert all(s.trace is None for s in a) and all(s.trace is not None for s in b)
+
+
+def test_the_traces_accept_something_somewhere():
+    # Why: the truth test is vacuous for multi-token claims if every step emits one token.
+    long = [s for name in DECODERS for s in traced_steps(name, Sampler())[0] if len(s.tokens) > 1]
+    kinds = {s.trace["kind"] for s in long}
+    assert {"lookahead", "lookup", "speculative", "contrastive"} <= kinds
+
+
+def test_printed_trace_shows_every_step_and_its_emitted_tokens(capsys):
+    # Why: what the reader sees is the formatter's output; it must name the emitted tokens.
+    tracer = Tracer(letters)
+    for name in DECODERS:
+        steps = DECODERS[name](Sampler(0.8), Random(2), True)
+        out = list(generate(traced(steps, tracer), max_new_tokens=10))
+        printed = capsys.readouterr().err
+        assert printed.count("#0 @8 ") == 1 and out
+    steps, _ = traced_steps("lookahead W=3 N=3 G=3", Sampler(), n_steps=6)
+    text = "\n".join(line for n, s in enumerate(steps) for line in Tracer(letters).lines(n, s.trace))
+    assert "mask, shape changed" in text and "window level 1" in text
+    for s in steps:
+        assert f"emitted {Tracer(letters).show(s.tokens)}" in text
+
+
+# --------------------------------------------------------------------------- lying traces are caught
+
+def lie_whole_guess(t):      # reports the guess's tokens instead of the verified ones
+    if t["kind"] == "lookahead" and t["guesses"]:
+        t["accepted"] = len(t["guesses"][t["best"]])
+    if t["kind"] == "lookup":
+        t["accepted"] = len(t["guess"])
+
+
+def lie_all_accepted(t):     # every draft "accepted", whatever the target said
+    for d in t.get("drafts", []):
+        d["verdict"] = "accept"
+
+
+def lie_fresh_u(t):          # a u from another key than the one the verdict read
+    for i, d in enumerate(t.get("drafts", [])):
+        d["u"] = Random(99).uniform("accept", t["position"] + i)
+
+
+def lie_expert_pick(t):      # the expert's argmax shown as the contrastive one
+    if t["kind"] == "contrastive":
+        t["best"] = t["expert"]
+
+
+LIARS = {
+    "lookahead reports the guess": (lie_whole_guess, "lookahead W=3 N=3 G=3"),
+    "lookup reports the copy": (lie_whole_guess, "lookup"),
+    "speculative accepts every draft": (lie_all_accepted, "speculative K=3"),
+    "speculative shows another u": (lie_fresh_u, "speculative K=3"),
+    "contrastive shows the expert's pick": (lie_expert_pick, "contrastive"),
+}
+
+
+@pytest.mark.parametrize("liar", LIARS)
+def test_a_lying_trace_is_caught(liar):
+    lie, name = LIARS[liar]
+    sampler = Sampler()
+    steps, rng = traced_steps(name, sampler, n_steps=16)
+    for s in steps:
+        lie(s.trace)
+    assert lies(steps, rng, sampler)

@@ -54,10 +54,14 @@ STATS_HELP = """the stats line (stderr; the same fields in --json):
   tok/forward       tokens / target forwards
   acceptance        accepted / drafted. drafted: tokens the target verified, proposed by
                     speculative's draft, lookahead's n-gram guesses (trie rows) or lookup's
-                    copy; accepted: those kept, counted after the cut (tokens = steps +
-                    accepted). Not shown for plain and contrastive, which draft nothing
-  hit rate          steps that kept an accepted draft / steps that verified at least one
+                    copy, contrastive --speculative's amateur drafts; accepted: those kept,
+                    counted after the cut (tokens = steps + accepted). Not shown when
+                    nothing was drafted (plain, contrastive without --speculative)
+  hit rate          hits / verify steps: steps that kept an accepted draft / steps that
+                    verified at least one (adaptive K = 0 steps verify none)
   tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
+  --json keys: n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted, accepted,
+  acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps})
 --trace prints each step on stderr: plain its token; lookahead the window (levels x columns,
 with positions), the mask when its shape changes, the arm, the guesses and what was accepted
 from which; speculative each draft's p(x), q(x), u and verdict; contrastive the expert's

@@ -101,7 +101,7 @@ def test_bad_knobs_are_an_error_before_the_first_token():
 def sabotaged_greedy_test():
     # the property test's body without shrinking or the example database: fails fast, no trace
     inner = test_lookup_greedy_equals_plain_greedy.hypothesis.inner_test
-    quick = settings(max_examples=60, phases=[Phase.generate], database=None, deadline=None)
+    quick = settings(max_examples=60, phases=[Phase.generate], database=None, deadline=None, derandomize=True)
     return quick(given(**GREEDY_CASES)(inner))
 
 
@@ -118,8 +118,8 @@ def test_property_test_catches_unchecked_copies(monkeypatch):
 
 def test_property_test_catches_a_cache_that_keeps_rejected_rows(monkeypatch):
     # Why: truncating one slot too late leaves a rejected copy's K/V where the target's own
-    # token belongs; every later token attends to it.
+    # token belongs; every later token attends to it (or, with nothing left to feed, it crashes).
     truncate = KVCache.truncate
     monkeypatch.setattr(KVCache, "truncate", lambda self, n: truncate(self, min(n + 1, self.length)))
-    with pytest.raises(AssertionError):
+    with pytest.raises((AssertionError, RuntimeError)):
         sabotaged_greedy_test()()

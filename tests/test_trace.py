@@ -1,6 +1,8 @@
 """--trace tells the truth: what a step's trace says it accepted is exactly what the step
 emitted, and its numbers (u, p/q, positions, matches) are the ones the decision read.
 A reader learns the algorithms from these traces, so a trace that flatters them is a bug."""
+import json
+
 import pytest
 import torch
 
@@ -155,3 +157,32 @@ def test_a_lying_trace_is_caught(liar):
     for s in steps:
         lie(s.trace)
     assert lies(steps, rng, sampler)
+
+
+# --------------------------------------------------------------------------- the CLI on a tiny checkpoint
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """test_hostile's tiny converted checkpoint: a real tokenizer and chat template, 2 layers."""
+    import tools.convert
+    from test_hostile import write_gguf
+    d = tmp_path_factory.mktemp("tiny")
+    return tools.convert.convert(write_gguf(d / "tiny.gguf"), d / "ckpt")
+
+
+@pytest.mark.parametrize("decoder", [["plain"], ["lookahead"], ["lookup"], ["contrastive", "--amateur", "layers:1"],
+                                     ["speculative", "--draft", "layers:1", "--no-adaptive"]])
+def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder, capsys):
+    # Why: `--trace` is the flag a reader types; on any checkpoint it must print every step
+    # (one per target forward) on stderr and leave stdout's answer alone.
+    from engine.run import main
+    argv = ["--checkpoint", str(tiny_checkpoint), "--prompt", "hi hi hi", "--max-new-tokens", "12",
+            "--temperature", "0.8", "--json", "--decoder", *decoder]
+    assert main(argv) == 0
+    quiet = json.loads(capsys.readouterr().out)
+    assert main(argv + ["--trace"]) == 0
+    out, err = capsys.readouterr()
+    loud = json.loads(out)
+    assert loud["tokens"] == quiet["tokens"]
+    heads = [l for l in err.splitlines() if l.startswith("#")]
+    assert len(heads) == loud["n_forwards"] and heads[0].startswith(f"#0 @") and decoder[0] in heads[0]

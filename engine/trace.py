@@ -4,7 +4,7 @@ Decoders never print. Asked with `trace=True`, each one puts a plain dict in `St
 ("kind" names the decoder; ids and floats only); this module turns it into lines with the
 tokenizer. `claimed(trace)` is what a trace says the step emitted: tests/test_trace.py holds
 every decoder to claimed(step.trace) == step.tokens, so the trace cannot tell a story the
-tokens do not.
+tokens do not. A block starts "#n @t kind": step n, whose first new token sits at position t.
 
     #12 @47 speculative K=2 rejection
       draft ' Paris'  p=0.912 q=0.850 u=0.118  accept  (u < p/q)

@@ -29,6 +29,7 @@ class Step:
     accepted: int = 0      # of which accepted: always len(tokens) - 1
     draft_forwards: int = 0  # forwards of the second model (draft or amateur) this step
     trace: dict | None = None  # what happened, only when the decoder is asked to trace (engine/trace.py)
+    arm: str = ""          # an adaptive decoder's choice this step ("W2 G2", "K=0"), for the bench
 
 
 @dataclass

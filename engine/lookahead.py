@@ -282,7 +282,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         if arm is not None:
             auto.update(arm, len(out), len(tokens))
         prefix, x = [], out[-1]
-        yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m, trace=info)
+        yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m, trace=info,
+                   arm="" if arm is None else ("plain" if W + G == 0 else f"W{W} G{G}"))
 
 
 def advance(pool: Pool, grid: list[list[int]], x: int, new: list[int]) -> list[list[int]]:

@@ -288,7 +288,10 @@ def run(args) -> dict:
     if not args.json:
         print(before_stop(streamed + stream.flush(), args.stop)[shown:])
     text = before_stop(tok.decode([x for x in out if x not in tok.eos_ids]), args.stop)
-    return {"decoder": args.decoder, "text": text,
+    # subtle: off fp32/fp64 a k-row forward rounds a row apart from a one-row forward, so a
+    # decoder that verifies k rows may leave plain's tokens (tools/fidelity.py bounds the mode)
+    exact = not args.int4 and args.dtype in ("float32", "float64")
+    return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
             "tokens_per_second": stats.n_tokens / seconds, "prefill_seconds": stats.prefill_seconds,
@@ -364,7 +367,9 @@ def stats_line(r: dict) -> str:
         + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))
     return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
             f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
-            f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s")
+            f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
+            + ("" if r["exact_path"] or r["decoder"] == "plain" else
+               " | inexact path: tokens may differ from plain's (k-row forwards round apart)"))
 
 
 def quiet_stdout() -> None:

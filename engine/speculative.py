@@ -160,6 +160,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
                 u = [rng.uniform("accept" if verify == "rejection" else "token", n + i) for i in range(k)]
                 info = {"kind": "speculative", "position": n, "verify": verify, "adaptive": bool(tuner),
                         **verdicts(p, q, drafts, out, u)}
-            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k, trace=info)
+            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k, trace=info,
+                       arm=f"K={k}" if tuner else "")
 
     return steps(list(prompt), len(prompt) + max_new_tokens)

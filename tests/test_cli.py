@@ -173,3 +173,15 @@ def test_a_self_draft_shows_its_draft_forwards(capsys):
     err = capsys.readouterr().err
     assert "reject  (u >= p/q)" in err and "#3 @40 speculative" in err
     assert "| 4 target forwards | 6 draft forwards |" in err   # K = 3, 2, 1, 0: none past the budget
+
+
+def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
+    # Why: on --int4 or bf16 a k-row forward rounds apart from a one-row one, so lookahead's
+    # tokens may differ from plain's there; the user must read that, not find it out
+    from engine.run import stats_line
+    r = {"decoder": "lookahead", "step_lengths": {1: 3}, "draft_forwards": 0, "acceptance": None,
+         "n_tokens": 3, "n_forwards": 3, "tokens_per_forward": 1.0, "prefill_seconds": 0.1,
+         "decode_tokens_per_second": 9.0, "exact_path": False}
+    assert "inexact path" in stats_line(r)
+    assert "inexact" not in stats_line(r | {"exact_path": True})
+    assert "inexact" not in stats_line(r | {"decoder": "plain"})

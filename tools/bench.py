@@ -236,7 +236,7 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     seconds = time.perf_counter() - t0
     return {"tokens": tokens, "tok_s": len(tokens) / seconds, "decode_tok_s": stats.decode_tokens_per_second,
             "forwards": stats.n_forwards, "drafted": [s.drafted for s in steps],
-            "accepted": [s.accepted for s in steps], "arms": [getattr(s, "arm", "") for s in steps[1:] if getattr(s, "arm", "")]}
+            "accepted": [s.accepted for s in steps], "arms": [s.arm for s in steps[1:] if s.arm]}
 
 
 def record(steps, log: list[Step]):

@@ -8,35 +8,48 @@ int4) whose k-row forwards round differently from one-row forwards.
 
     cost(k rows) = 1 + slope * (k - 1)              a forward of k rows, one row = 1
 
-`slope` is set by the matmul kind, from `python -m tools.bench --forward-cost` (median
-cost(8)/cost(1) and cost(16)/cost(1) on the machines in docs/speed.md). A user who wants the
-price list of their own machine measures it with that command and passes the JSON it writes
-(`--cost-table bench-out/forward-cost.json`): a fixed file, so the tokens stay put.
+Where it comes from, in the order a caller meets it:
+- `calibrated(model)`: this machine's own table, measured once (about 2 s) and kept on disk;
+  the CLI uses it, so the price list fits the device and still never moves between runs;
+- `--cost-table FILE`: a table measured by `python -m tools.bench --forward-cost`;
+- otherwise (the Python API) a slope by matmul kind and CPU dispatch, measured on the machines
+  of README's speed section: flat-ish on AVX-512, steep on AVX2 (the slope below).
 """
 from __future__ import annotations
 
+import hashlib
 import json
+import math
+import os
+import platform
+import time
 from pathlib import Path
 from typing import Callable
 
+import torch
+
+from engine.kvcache import KVCache
 from engine.llama import Llama
 
-SLOPE = {                      # extra cost of each row past the first, by matmul kind
-    "PackedLinear": 0.03,      # oneDNN, reordered weights: 8 rows ~ 1.2x one row
-    "Int4Linear": 0.08,        # torch's int4 kernel: 8 rows ~ 1.6x
-    "Linear": 0.06,            # nn.Linear on CPU (MKL repacks per call): 8 rows ~ 1.4x
-    "cuda": 0.005,             # a GPU is far from its compute peak at a few rows
+SLOPE = {          # (matmul kind, torch's CPU dispatch) -> extra cost of each row past the first
+    ("PackedLinear", "AVX512"): 0.03,   # oneDNN, reordered weights, Zen 4: 8 rows ~ 1.2x one row
+    ("PackedLinear", "AVX2"): 0.10,     # the same on an AVX2-only EPYC: 8 rows 1.74x
+    ("Int4Linear", "AVX512"): 0.08,     # torch's int4 kernel: 8 rows ~ 1.6x
+    ("Int4Linear", "AVX2"): 0.27,       # 8 rows 2.9x
+    ("Linear", "AVX512"): 0.06,         # nn.Linear (MKL repacks per call): 8 rows ~ 1.4x
+    ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows
 }
+UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
 
 
 def row_cost(model: Llama, table: dict[int, float] | None = None) -> Callable[[int], float]:
     """k -> cost of a k-row forward of `model`, one row = 1 (linear between table points)."""
     if table:
         return lambda k: interpolate(table, k)
-    kind = type(model.layers[0].feed_forward.w13).__name__
+    kind = (type(model.layers[0].feed_forward.w13).__name__, torch.backends.cpu.get_cpu_capability())
     if model.tok_embeddings.weight.device.type == "cuda":
-        kind = "cuda"
-    slope = SLOPE.get(kind, SLOPE["Linear"])
+        kind = ("cuda", "")
+    slope = SLOPE.get(kind, UNKNOWN_SLOPE)
     return lambda k: 1 + slope * (max(k, 1) - 1)
 
 
@@ -72,3 +85,64 @@ def layer_share(model: Llama, layers: int) -> float:
     per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim \
         + 3 * c.dim * c.hidden_dim                                     # wqkv, wo, w13, w2
     return layers * per_layer / (c.n_layers * per_layer + c.vocab_size * c.dim)
+
+
+# --------------------------------------------------------------------------- this machine's table
+
+def measure(model: Llama, ks=(1, 2, 4, 8, 16, 32), context: int = 100, repeats: int = 3) -> dict[int, float]:
+    """cost(k)/cost(1) on this machine: the fastest of `repeats` k-row forwards after a cache of
+    `context` tokens (the fastest, because a busy spell only ever adds time)."""
+    device = model.tok_embeddings.weight.device
+    cache = KVCache.for_model(model, context + max(ks))
+    model(torch.zeros(1, context, dtype=torch.long, device=device), torch.arange(context, device=device), cache)
+    best = {}
+    for k in [1, *ks] * repeats:                       # the first k = 1 warms the kernels up
+        t0 = time.perf_counter()
+        model(torch.zeros(1, k, dtype=torch.long, device=device),
+              torch.arange(context, context + k, device=device), cache)
+        if device.type == "cuda":
+            torch.cuda.synchronize()
+        best[k] = min(best.get(k, math.inf), time.perf_counter() - t0)
+        cache.truncate(context)
+    return {k: max(best[k] / best[1], 1.0) for k in ks}
+
+
+def calibrated(model: Llama, folder: Path | None = None) -> dict[int, float]:
+    """This machine's table for this model: measured on first use, then read back, so every
+    later run (and the first one) prices its choices alike and prints the same tokens.
+
+    Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), keyed by CPU, kernel dispatch, threads,
+    torch, device, dtype, matmul kind and model shape; the first writer wins a race, and
+    every process uses the file as written. Delete it to measure again.
+    """
+    w, c = model.tok_embeddings.weight, model.config
+    key = "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+                             torch.__version__, w.device, w.dtype,
+                             type(model.layers[0].feed_forward.w13).__name__, c)))
+    folder = folder or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "engine"
+    path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    if not path.is_file():                             # ~2 s, once per machine and model
+        data = json.dumps({"key": key, "forward_cost": {"engine": {
+            str(k): {"ratio": r} for k, r in measure(model).items()}}}).encode()
+        try:
+            folder.mkdir(parents=True, exist_ok=True)
+            tmp = path.with_name(f".{path.name}.{os.getpid()}")
+            tmp.write_bytes(data)
+            try:
+                os.link(tmp, path)                     # subtle: fails if another process won
+            except FileExistsError:
+                pass
+            tmp.unlink()
+        except OSError:                                # a read-only home: measured, not kept
+            return {int(k): v["ratio"] for k, v in json.loads(data)["forward_cost"]["engine"].items()}
+    return load_table(path)
+
+
+def cpu_name() -> str:
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                return line.split(":", 1)[1].strip()
+    except OSError:
+        pass
+    return platform.processor() or platform.machine()

@@ -26,7 +26,7 @@ from pathlib import Path
 
 import torch
 
-from engine.cost import load_table
+from engine.cost import calibrated, load_table
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
 from engine.packed import prepack, quantize_int4
@@ -97,8 +97,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
-                   help="this machine's k-row forward costs for the adaptive choices, as written by "
-                        "`python -m tools.bench --forward-cost` (default: engine/cost.py's model)")
+                   help="k-row forward costs for the adaptive choices, as written by `python -m tools.bench "
+                        "--forward-cost` (default: this machine's, measured once into ~/.cache/engine/)")
     g = p.add_argument_group("lookahead (None = chosen automatically)")
     g.add_argument("--window", type=int, help="W, Jacobi window columns")
     g.add_argument("--ngram", type=int, help="N, n-gram size")
@@ -264,6 +264,8 @@ def run(args) -> dict:
     bound_knobs(args, args.max_new_tokens, context)
     args.cost_table = load_table(args.cost_table) if args.cost_table else None
     model = load(ckpt, args)
+    if args.cost_table is None and "cost_table" in DECODERS[args.decoder].knobs:
+        args.cost_table = calibrated(model)   # this machine's costs, measured once, then read back
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     d = DECODERS[args.decoder]
     steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=rng, trace=args.trace,

@@ -35,6 +35,13 @@ def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = Fa
     return model.requires_grad_(False)
 
 
+@pytest.fixture(scope="session", autouse=True)
+def private_cache(tmp_path_factory):
+    # the CLI measures this machine's forward costs once into $XDG_CACHE_HOME/engine; tests
+    # (and the CLIs they start) measure into a folder of their own, never the user's home
+    os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
+
 @pytest.fixture
 def model():
     return tiny_llama(0)

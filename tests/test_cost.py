@@ -89,7 +89,8 @@ def test_a_clock_driven_choice_is_caught(monkeypatch):
 def test_row_cost_follows_the_matmul_kind_and_a_measured_table():
     model = tiny_llama(0)                                  # float64 nn.Linear
     assert cost.row_cost(model)(1) == 1.0
-    assert cost.row_cost(model)(9) == pytest.approx(1 + 8 * cost.SLOPE["Linear"])
+    slope = cost.SLOPE.get(("Linear", torch.backends.cpu.get_cpu_capability()), cost.UNKNOWN_SLOPE)
+    assert cost.row_cost(model)(9) == pytest.approx(1 + 8 * slope)
     table = {1: 1.0, 4: 1.3, 8: 2.1}
     rows = cost.row_cost(model, table)
     assert [rows(k) for k in (1, 2, 4, 6, 8, 12)] == pytest.approx([1.0, 1.1, 1.3, 1.7, 2.1, 2.9])
@@ -114,3 +115,26 @@ def test_layer_shares_add_up_to_a_forward_less_its_head():
     assert cost.layer_share(model, 0) == 0
     assert cost.layer_share(model, 2) == pytest.approx(cost.layer_share(model, 4) / 2)
     assert cost.layer_share(model, 4) == pytest.approx(1 - head)
+
+
+def test_a_machine_is_measured_once_and_every_run_reads_the_same_table(tmp_path, monkeypatch):
+    # Why: the CLI prices its choices with this machine's own costs, yet two runs of a command
+    # must print the same tokens: the measurement is taken once, kept, and read back after.
+    model = tiny_llama(0)
+    first = cost.calibrated(model, tmp_path)
+    assert sorted(first) == [1, 2, 4, 8, 16, 32] and first[1] == 1.0 and len(list(tmp_path.iterdir())) == 1
+    noisy = iter(range(100))                       # what a second measurement would say
+    monkeypatch.setattr(cost, "measure", lambda m: {1: 1.0, 8: 1.0 + next(noisy)})
+    assert cost.calibrated(model, tmp_path) == cost.calibrated(model, tmp_path) == first
+    # the broken variant, measuring on every run, gives each run its own price list
+    assert cost.measure(model) != cost.measure(model)
+
+
+def test_a_lost_race_to_write_the_table_uses_the_winners(tmp_path, monkeypatch):
+    # Why: two first runs at once both measure; both must then price with the one file kept
+    model = tiny_llama(0)
+    winner = cost.calibrated(model, tmp_path)
+    path = next(tmp_path.iterdir())
+    path.rename(tmp_path / "kept")
+    monkeypatch.setattr(cost, "measure", lambda m: ((tmp_path / "kept").rename(path), {1: 1.0, 8: 9.0})[1])
+    assert cost.calibrated(model, tmp_path) == winner   # it measured, lost the race, read the file

@@ -28,6 +28,7 @@ from pathlib import Path
 import torch
 
 from engine import speculative
+from engine.cost import calibrated
 from engine.decoders import DECODERS
 from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
@@ -226,8 +227,11 @@ BASELINE = {"lookahead auto --int4": "plain --int4"}
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
-    """One greedy generation: tokens, timings, and per-step draft acceptance."""
+    """One greedy generation: tokens, timings, and per-step draft acceptance. Adaptive decoders
+    price their choices with this machine's measured costs, as the CLI's do."""
     name, second, knobs = config
+    if "cost_table" in DECODERS[name].knobs:
+        knobs = {"cost_table": calibrated(model)} | knobs
     models = (model,) if second is None else (model, second)
     steps, stats = [], Stats()
     run = DECODERS[name].decode(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)

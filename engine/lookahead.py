@@ -161,15 +161,16 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 DEFAULT_N = 4                          # n-gram size when --ngram is not given (make bench: N4 beat N5 here)
 # (W, G) arms of the automatic choice, cheap to costly: a plain step, prompt lookup (the pool's
 # guesses, no window), then Jacobi windows
-ARMS = ((0, 0), (0, 4), (2, 2), (3, 3), (5, 5))
+ARMS = ((0, 0), (0, 1), (0, 4), (2, 2), (3, 3), (5, 5))
 
 
 class Auto:
     """Pick (W, G) per step by expected tokens per unit of cost; a plain step is one of the arms.
 
         value(arm) = decayed tokens its steps emitted / decayed cost of their forwards
-        choose: an untried arm (cheap to costly), else one unchosen for patience * (c - 1)
-                steps (c = its nominal cost), else the arm of highest value (plain's is 1)
+        choose: an untried arm (cheap to costly) while every guessing arm tried so far beats
+                plain, else one unchosen for patience * (c - 1) steps (c = its nominal cost),
+                else the arm of highest value (plain's is 1)
     Costs come from engine/cost.py (rows -> units of a one-row forward), never the clock, so
     the schedule depends on the tokens alone and a rerun takes the same arms. Every arm is
     exact, so on an exact path the schedule moves the speed, never the tokens. A retry spends
@@ -189,12 +190,18 @@ class Auto:
         self.wait = [10**9 if p else w for p, w in zip(plain, self.wait)]
         self.step = 0
 
+    def value(self, a: int) -> float:
+        return self.tokens[a] / max(self.spent[a], 1e-9)
+
     def choose(self) -> int:
         self.step += 1
+        # subtle: once a cheap guessing arm loses to plain, dearer ones are left to their
+        # timers: trying each once up front cost ~6 plain steps of a 64-token chat answer
+        winning = all(self.value(a) >= 1 for a in range(len(self.arms)) if self.last[a] >= 0)
         for a in sorted(range(len(self.arms)), key=self.nominal.__getitem__):
-            if self.last[a] < 0 or self.step - self.last[a] > self.wait[a]:
-                return a                          # untried (last = -1), or not tried for long
-        return max(range(len(self.arms)), key=lambda a: self.tokens[a] / max(self.spent[a], 1e-9))
+            if (self.last[a] < 0 and winning) or self.step - max(self.last[a], 0) > self.wait[a]:
+                return a                          # untried, or not tried for long
+        return max(range(len(self.arms)), key=self.value)
 
     def update(self, arm: int, tokens: int, rows: int) -> None:
         self.tokens[arm] = self.decay * self.tokens[arm] + tokens
@@ -245,6 +252,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     pool = Pool(G, N)
     pool.add_text(prompt)
     grid = init_window(prompt, W, N)
+    if auto:                                           # the prefill step is a plain one
+        W, G, grid = 0, 0, [[] for _ in grid]
     text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
     while True:
         arm = auto.choose() if auto and not prefix else None

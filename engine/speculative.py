@@ -49,15 +49,15 @@ class Tuner:
                                                           failure unless all K passed)
         K = best_k(alpha, c_draft, c_verify, max_k)
         at K = 0 nothing is measured, so after `probe` plain steps one step drafts K = 1;
-        each probe that does not lift K doubles the wait (16, 32, 64, ... steps); a probe whose
-        draft is accepted sets it back to 16
+        each probe that does not lift K doubles the wait (32, 64, 128, up to 256 steps); a
+        probe whose draft is accepted sets it back to 32
     With c_draft = 0.74 (a 20-of-30-layer self-draft of SmolLM2-135M), K = 1 pays only when
     alpha > 0.75, so a weak draft decodes at plain's pace bar its probes. The schedule is a
     function of the tokens seen, so a seed gives the same tokens on every run.
     """
 
     def __init__(self, k: int, max_k: int, c_draft: float, c_verify: Callable[[int], float],
-                 probe: int = 16):
+                 probe: int = 32):
         self.k, self.max_k, self.decay = k, max_k, 0.9     # forget a step's weight in ~10 steps
         self.c_draft, self.c_verify = c_draft, c_verify
         self.accepted, self.trials = 1.0, 2.0              # prior alpha = 1/2, forgotten like the rest
@@ -80,7 +80,7 @@ class Tuner:
         if self.k or (k and accepted == k):                # drafting pays, or a probe all accepted
             self.probe = self.first_probe
         elif self.idle >= self.probe:                      # probe: one draft, to measure alpha
-            self.k, self.probe = 1, 2 * self.probe
+            self.k, self.probe = 1, min(2 * self.probe, 8 * self.first_probe)
 
 
 def costs(target: Llama, draft: Llama | SelfDraft, cost_table=None) -> tuple[float, Callable[[int], float]]:
@@ -114,19 +114,21 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
     """
     if verify not in ("rejection", "coupled"):
         raise ValueError(f"verify must be 'rejection' or 'coupled', got {verify!r}")
-    # K drafts per step; adaptive starts at one (a probe) unless told where to start
-    num_draft = (1 if adaptive else 4) if num_draft is None else num_draft
+    given, num_draft = num_draft, (0 if adaptive else 4) if num_draft is None else num_draft
     if not all(type(k) is int for k in (num_draft, max_draft)) or num_draft < 0 or max_draft < 1:
         raise ValueError(f"need integers num_draft >= 0, max_draft >= 1; got {num_draft!r}, {max_draft!r}")
-    # a step never drafts past the budget, so K beyond it would only size the cache
-    num_draft, max_draft = min(num_draft, max_new_tokens), min(max_draft, max(max_new_tokens, 1))
-    scratch = max(num_draft, max_draft if adaptive else 0) + 1
-    capacity = len(prompt) + max_new_tokens + scratch
     V, L = target.config.vocab_size, target.config.n_layers
     if isinstance(draft, SelfDraft) and not 1 <= draft.layers <= L:
         raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
+    # a step never drafts past the budget, so K beyond it would only size the cache
+    num_draft, max_draft = min(num_draft, max_new_tokens), min(max_draft, max(max_new_tokens, 1))
+    price = costs(target, draft, cost_table) if adaptive else None
+    if adaptive and given is None:     # start where the prior (alpha = 1/2) and the costs say:
+        num_draft = best_k(0.5, *price, max_draft)     # K = 0 for a draft that costs most of a forward
+    scratch = max(num_draft, max_draft if adaptive else 0) + 1
+    capacity = len(prompt) + max_new_tokens + scratch
     pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity, scratch)
-    tuner = Tuner(num_draft, max_draft, *costs(target, draft, cost_table)) if adaptive else None
+    tuner = Tuner(num_draft, max_draft, *price) if adaptive else None
     device = target.tok_embeddings.weight.device
     as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
     stream = "draft" if verify == "rejection" else "token"

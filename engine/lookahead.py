@@ -144,6 +144,8 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
     """Logits (len(keep), V) of step rows `keep`; `prefix` rows (prefill only) go first, causal."""
     c, p, T = cache.length, len(prefix), len(tokens)
     device = model.tok_embeddings.weight.device
+    if p + T == 1:                      # a plain step (the plain arm): x alone, as plain sends it
+        return model(torch.tensor([tokens], device=device), torch.tensor([c], device=device), cache)[0]
     tree = tree_mask(parent)                                          # (T, T)
     mask = torch.ones(p + T, c + p + T, dtype=torch.bool)             # (p+T, S)
     mask[:p, c:] = torch.ones(p, p + T, dtype=torch.bool).tril()      # prefix: causal, no step rows

@@ -9,7 +9,9 @@ import pytest
 import torch
 from hypothesis import settings
 
+from engine.generate import generate
 from engine.llama import Llama, LlamaConfig
+from engine.sampling import Random, Sampler
 
 # tiny float64 models: one thread avoids OpenMP barriers that dwarf the math itself
 torch.set_num_threads(1)
@@ -33,6 +35,17 @@ def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = Fa
             p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale / p.shape[-1] ** 0.5
     model.tok_embeddings.weight.data *= p.shape[-1] ** 0.5 / 4  # embeddings of norm ~ sqrt(C)/4
     return model.requires_grad_(False)
+
+
+def run(decoder, model, prompt, n, *, sampler=Sampler(), seed=0, eos=(), stats=None, **knobs):
+    """The tokens a decoder generates from `prompt`, greedy unless a sampler is given."""
+    steps = decoder(model, prompt, sampler=sampler, rng=Random(seed), max_new_tokens=n, **knobs)
+    return list(generate(steps, max_new_tokens=n, eos_ids=eos, stats=stats))
+
+
+def prompt_for(seed: int, P: int, V: int) -> list[int]:
+    """P random token ids below V, drawn from `seed`."""
+    return torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 @pytest.fixture(scope="session", autouse=True)

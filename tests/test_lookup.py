@@ -2,25 +2,15 @@
 greedy or sampled with the same seed, whatever it copies; and the tests can tell a broken one.
 (Its exact law is proven by enumeration in test_proofs.py.)"""
 import pytest
-import torch
 from hypothesis import Phase, given, settings, strategies as st
 
-from conftest import tiny_llama
+from conftest import prompt_for, run, tiny_llama
 from engine import lookup
-from engine.generate import Stats, generate, plain
+from engine.generate import Stats, plain
 from engine.kvcache import KVCache
 from engine.sampling import Random, Sampler, verify_match
 
 GREEDY = Sampler()
-
-
-def run(decoder, model, prompt, n, *, sampler=GREEDY, seed=0, eos=(), stats=None, **knobs):
-    steps = decoder(model, prompt, sampler=sampler, rng=Random(seed), max_new_tokens=n, **knobs)
-    return list(generate(steps, max_new_tokens=n, eos_ids=eos, stats=stats))
-
-
-def prompt_for(seed, P, V):
-    return torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(seed)).tolist()
 
 
 # --------------------------------------------------------------------------- exactness

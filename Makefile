@@ -39,7 +39,7 @@ test: weights
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=$(word 1,$(SECOND)) ONEDNN_MAX_CPU_ISA=$(word 2,$(SECOND)) HYPOTHESIS_PROFILE=ci \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/test_fidelity.py tests/test_weights.py tests/test_cli.py \
-	  -k "not same_tokens_every_run"
+	  -k "not same_tokens_every_run and not bf16"
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*).

@@ -18,7 +18,8 @@ Choices where LADE and llama.cpp differ (small samples below; the benchmark has 
   1.43 vs 1.38 (W7 N5 G7); tiny random models: within 0.05 either way.
 - A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1).
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
-- The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams.
+- The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
+  first guess is prompt lookup's (engine/lookup.py), matched on the last N-1 tokens, not x alone.
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
 is `generate()`'s job), so an EOS may sit in the window like any other token.
@@ -35,6 +36,7 @@ from engine.cost import row_cost
 from engine.generate import Step
 from engine.kvcache import KVCache
 from engine.llama import Llama
+from engine.lookup import find
 from engine.sampling import Random, Sampler, verify_match
 
 
@@ -219,9 +221,9 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
         pool <- n-grams of prompt; window <- N-1 levels x W copied from prompt; x <- prompt[-1]
         loop:
-            rows   <- [x] + window + trie(pool[x])          under one tree mask, P = pos(x)
+            rows   <- [x] + window + trie(candidates(x))     under one tree mask, P = pos(x)
             logits <- model(rows), kept only at x, the newest level and the trie
-            y      <- verify_match(logits[x], logits[trie], pool[x])   # 1..N tokens
+            y      <- verify_match(logits[x], logits[trie], candidates)  # 1..N tokens
             cache  <- cache + x + rows of the guess that y follows     # y[-1] is not cached
             pool   += (window column + argmax of its newest row) for each column, y's n-grams
             window <- window[1:] + [argmax of newest level];  x <- y[-1];  yield y
@@ -263,7 +265,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             W, G = ARMS[arm]
             fill = (text[-W:] * W)[:W]                 # new columns start from recent text
             grid = [(level + fill)[:W] for level in grid]
-        cands = pool.guesses(x)[:G]
+        cands = candidates(pool, text, G, N) if G else []
         tokens, parent, newest, paths = layout(x, grid, cands)
         keep = sorted({0, *newest, *range((N - 1) * W, len(tokens))})
         # subtle: for m > 1 trimmed layers, frozen prompt rows would cache K/V computed from a
@@ -295,6 +297,15 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         prefix, x = [], out[-1]
         yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m, trace=info,
                    arm="" if arm is None else ("plain" if W + G == 0 else f"W{W} G{G}"))
+
+
+def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, ...]]:
+    """Up to G (N-1)-grams to follow x = text[-1]: first what followed the latest earlier match
+    of text's last N-1 tokens (prompt lookup: a longer match predicts better than x alone),
+    then the pool's n-grams for x, most recent first."""
+    copy = tuple(find(text, N - 1, N - 1)[0])
+    first = [copy] if len(copy) == N - 1 else []
+    return (first + [g for g in pool.guesses(text[-1]) if g != copy])[:G]
 
 
 def advance(pool: Pool, grid: list[list[int]], x: int, new: list[int]) -> list[list[int]]:

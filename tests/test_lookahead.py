@@ -238,3 +238,16 @@ def test_auto_settles_on_plain_steps_when_guesses_do_not_pay():
     # the broken variant, an Auto blind to costs, settles on a window arm and loses
     blind = lookahead.Auto(lookahead.ARMS, lambda k: 1.0, n=4, patience=100)
     assert cost_per_token(blind, cost, hits) > bound + 0.1
+
+
+def test_the_first_candidate_is_what_followed_the_longest_earlier_match():
+    # Why: x alone is a weak key ("the" is followed by anything); the last N-1 tokens matched
+    # earlier in the text predict better, so prompt lookup's guess goes first, then the pool's.
+    text = [5, 6, 7, 9, 1, 2, 8, 7, 3, 4, 5, 6, 7]
+    pool = lookahead.Pool(4, 4)
+    pool.add_text(text)
+    assert pool.guesses(7)[0] == (3, 4, 5)                       # x = 7 alone: its latest n-gram
+    got = lookahead.candidates(pool, text, G=3, N=4)
+    assert got[0] == (9, 1, 2)                                   # after the earlier 5 6 7
+    assert got == [(9, 1, 2), (3, 4, 5)]                         # then the pool, no repeats
+    assert lookahead.candidates(pool, text, G=1, N=4) == [(9, 1, 2)]

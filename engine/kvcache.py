@@ -58,6 +58,7 @@ class KVCache:
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)      # (L, B, Hkv, capacity, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)
         self.v = torch.zeros(shape, dtype=dtype, device=device)
+        self.layers = list(zip(self.k.unbind(0), self.v.unbind(0)))  # per layer (B, Hkv, capacity, D) views
         self.capacity = capacity
         self.length = 0                                                # committed slots
 
@@ -80,9 +81,10 @@ class KVCache:
         n, T = self.length, k.shape[2]
         if n + T > self.capacity:
             raise ValueError(f"KV cache full: {n} + {T} slots > capacity {self.capacity}")
-        self.k[layer, :, :, n:n + T] = k
-        self.v[layer, :, :, n:n + T] = v
-        return self.k[layer, :, :, :n + T], self.v[layer, :, :, :n + T]  # (B, Hkv, S, D)
+        ck, cv = self.layers[layer]                                    # (B, Hkv, capacity, D)
+        ck.narrow(2, n, T).copy_(k)
+        cv.narrow(2, n, T).copy_(v)
+        return ck.narrow(2, 0, n + T), cv.narrow(2, 0, n + T)          # (B, Hkv, S, D)
 
     def truncate(self, n: int) -> None:
         """Forget every slot from n on (rejected drafts). Stale data past n is never read."""

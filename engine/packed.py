@@ -20,6 +20,11 @@ from torch import Tensor, nn
 from engine.llama import Llama
 
 
+# the op's one overload, bound once: a call through the packet resolves it every time
+LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+
+
 class PackedLinear(nn.Module):
     """y = x W^T through oneDNN, W reordered once into its blocked layout (CPU, fp32 or bf16).
 
@@ -35,14 +40,16 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
 
     def forward(self, x: Tensor) -> Tensor:
+        if self.min_rows == 1:                                        # the default: every k alike
+            return LINEAR(x, self.packed, None, "none", [], "")
         n = x.numel() // x.shape[-1]                                  # rows, B*T
         if n >= self.min_rows:
-            return torch.ops.mkldnn._linear_pointwise(x, self.packed, None, "none", [], "")
+            return LINEAR(x, self.packed, None, "none", [], "")
         # subtle: oneDNN takes a matrix-vector kernel for one row and a matrix-matrix kernel
         # for two or more, and they round differently; the latter gives every row the same
         # bits whatever the row count, so zero rows make one-row steps take it too
         x2 = F.pad(x.reshape(n, -1), (0, 0, 0, self.min_rows - n))   # (min_rows, in)
-        y = torch.ops.mkldnn._linear_pointwise(x2, self.packed, None, "none", [], "")
+        y = LINEAR(x2, self.packed, None, "none", [], "")
         return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
 
 
@@ -79,8 +86,7 @@ class Int4Linear(nn.Module):
         self.register_buffer("scales", zeros.transpose(0, 1).contiguous().bfloat16())
 
     def forward(self, x: Tensor) -> Tensor:
-        y = torch.ops.aten._weight_int4pack_mm_for_cpu(
-            x.reshape(-1, self.in_features).bfloat16(), self.packed, self.group, self.scales)
+        y = INT4_MM(x.reshape(-1, self.in_features).bfloat16(), self.packed, self.group, self.scales)
         return y.view(*x.shape[:-1], self.out_features)               # (..., out) bf16
 
 

@@ -71,6 +71,23 @@ def test_nan_or_all_minus_inf_logits_raise_instead_of_an_out_of_vocab_id(bad):
         Sampler(temperature=1.0).probs(torch.tensor(bad))
 
 
+@given(st.integers(0, 2**31), st.integers(2, 40), st.sampled_from([0.0, 0.7]), st.integers(0, 3))
+def test_draw_is_the_categorical_draw_of_probs(seed, V, t, ties):
+    # greedy's shortcut (argmax, no law built) must name the token the inverse CDF names
+    g = torch.Generator().manual_seed(seed)
+    logits = torch.randn(V, generator=g).round(decimals=ties)     # rounding makes ties
+    s, rng = Sampler(temperature=t), Random(seed)
+    for pos in range(3):
+        assert s.draw(logits, rng, "token", pos) == rng.categorical(s.probs(logits), "token", pos)
+
+
+@pytest.mark.parametrize("bad", [[1.0, float("nan")], [float("nan"), 1.0], [float("-inf"), float("-inf")]])
+@pytest.mark.parametrize("t", [0.0, 1.0])
+def test_draw_refuses_nan_or_all_minus_inf_logits(bad, t):
+    with pytest.raises(ValueError, match="NaN or all -inf"):
+        Sampler(temperature=t).draw(torch.tensor(bad), Random(0), "token", 0)
+
+
 @pytest.mark.parametrize("kw", [{"temperature": -0.1}, {"top_p": 0.0}, {"top_p": 1.5}, {"top_k": -1},
                                 {"temperature": float("nan")}])
 def test_invalid_settings_raise(kw):

@@ -42,10 +42,13 @@ test: weights
 	  -k "not same_tokens_every_run and not bf16"
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
-# the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*).
+# the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*),
+# then where a plain step's time goes (bench-out/split.*). LLAMA_CPP=path/to/llama-cli adds
+# llama.cpp's plain greedy on the same GGUF to the first table.
 bench: weights
-	$(PY) -m tools.bench
+	$(PY) -m tools.bench $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))
 	$(PY) -m tools.bench --forward-cost --naive --roof --memory --repeats 5
+	$(PY) -m tools.split
 
 # How far the inexact modes (--int4, bf16) are from fp32 (bench-out/fidelity.*), then the
 # contrastive quality report (bench-out/quality.*); both name the machine they ran on.

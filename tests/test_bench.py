@@ -76,6 +76,32 @@ def test_an_outside_reference_is_one_more_row_checked_against_plain():
         hf_reference("/nonexistent/python", Path("."), 6, required=True)
 
 
+def test_a_text_only_reference_is_a_row_whose_tokens_are_not_compared():
+    # why: llama.cpp prints text, not our ids: its row has a speed but no "same tokens" claim
+    from tools.bench import CONFIGS, compare, markdown
+    model = tiny_llama(0, vocab=8)
+    text_only = lambda p: {"tokens": None, "tok_s": 2.0, "forwards": 6, "drafted": [], "accepted": []}
+    table = compare(model, {"a": [[1, 2, 3]]}, {"plain": CONFIGS["plain"], "llama.cpp": text_only},
+                    repeats=1, max_new_tokens=6)
+    assert table["llama.cpp"]["a"]["same_tokens_as_plain"] is None
+    assert table["llama.cpp"]["a"]["tokens_per_forward"] == 1.0
+    assert "| llama.cpp |" in markdown(table) and "not compared" in markdown(table)
+    assert table["plain"]["a"]["same_tokens_as_plain"] == 1.0
+
+
+def test_a_bad_llama_cpp_binary_exits_2_before_the_long_run(tmp_path, capsys):
+    from tools.bench import main
+    from engine.weights import DEFAULT_CHECKPOINT
+    if not (DEFAULT_CHECKPOINT / "config.json").is_file():
+        pytest.skip("needs make weights")
+    gguf = tmp_path / "m.gguf"
+    gguf.write_bytes(b"GGUF")
+    argv = ["--quick", "--rounds", "1", "--configs", "plain", "--hf-python", "/nonexistent/python",
+            "--llama-cpp", str(tmp_path / "none"), "--gguf", str(gguf), "--out", str(tmp_path / "out")]
+    assert main(argv) == 2
+    assert "--llama-cpp" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
 @pytest.mark.parametrize("tie", [False, True])
 def test_weight_bytes_counts_what_one_token_reads(tie):
     # every matrix and norm once, the head included; of the embedding table only a row is read,

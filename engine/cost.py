@@ -107,13 +107,15 @@ def measure(model: Llama, ks=(1, 2, 4, 8, 16, 32), context: int = 100, repeats: 
     return {k: max(best[k] / best[1], 1.0) for k in ks}
 
 
-def calibrated(model: Llama, folder: Path | None = None) -> dict[int, float]:
+def calibrated(model: Llama, folder: Path | None = None,
+               notify: Callable[[str], None] | None = None) -> dict[int, float]:
     """This machine's table for this model: measured on first use, then read back, so every
     later run (and the first one) prices its choices alike and prints the same tokens.
 
     Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), keyed by CPU, kernel dispatch, threads,
     torch, device, dtype, matmul kind and model shape; the first writer wins a race, and
-    every process uses the file as written. Delete it to measure again.
+    every process uses the file as written. Delete it to measure again. `notify` hears one
+    line when this call measured, so a CLI can say where the table went.
     """
     w, c = model.tok_embeddings.weight, model.config
     key = "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
@@ -130,6 +132,10 @@ def calibrated(model: Llama, folder: Path | None = None) -> dict[int, float]:
             tmp.write_bytes(data)
             try:
                 os.link(tmp, path)                     # subtle: fails if another process won
+                if notify:
+                    # subtle: a busy spell makes every k-row forward look dear, for good
+                    notify(f"measured this machine's k-row forward costs into {path}; every later "
+                           "run reads them back (delete it to measure again, on an idle machine)")
             except FileExistsError:
                 pass
             tmp.unlink()

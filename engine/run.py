@@ -264,11 +264,13 @@ def run(args) -> dict:
     bound_knobs(args, args.max_new_tokens, context)
     args.cost_table = load_table(args.cost_table) if args.cost_table else None
     model = load(ckpt, args)
+    second, notes = models(args), []          # a bad --draft or --amateur fails before measuring
     if args.cost_table is None and "cost_table" in DECODERS[args.decoder].knobs:
-        args.cost_table = calibrated(model)   # this machine's costs, measured once, then read back
+        # this machine's costs, measured once, then read back
+        args.cost_table = calibrated(model, notify=notes.append)   # said after the answer
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     d = DECODERS[args.decoder]
-    steps = d.decode(model, *models(args), prompt, sampler=sampler, rng=rng, trace=args.trace,
+    steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=args.trace,
                      max_new_tokens=args.max_new_tokens, **{k: getattr(args, k) for k in d.knobs})
     if args.trace:
         steps = traced(steps, Tracer(tok.decode))
@@ -301,7 +303,7 @@ def run(args) -> dict:
             "draft_forwards": stats.draft_forwards, "drafted": stats.drafted, "accepted": stats.accepted,
             "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
-            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb()}
+            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes}
 
 
 def before_stop(text: str, stops: list[str], final: bool = True) -> str:
@@ -357,6 +359,8 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.json:
         print(stats_line(result), file=sys.stderr)
+    for line in result["notes"]:
+        print(f"note: {line}", file=sys.stderr)
     return 0
 
 

@@ -185,3 +185,16 @@ def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     assert "inexact path" in stats_line(r)
     assert "inexact" not in stats_line(r | {"exact_path": True})
     assert "inexact" not in stats_line(r | {"decoder": "plain"})
+
+
+@real
+def test_the_first_run_says_where_it_kept_the_cost_table_and_later_runs_do_not(tmp_path, monkeypatch, capsys):
+    # why: the table is measured once and priced with forever after, so the user must learn
+    # where it went (a busy spell during that one measurement makes every k-row look dear)
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    argv = ["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]
+    notes = []
+    for _ in range(2):
+        assert main(argv) == 0
+        notes.append([l for l in capsys.readouterr().err.splitlines() if l.startswith("note: measured")])
+    assert len(notes[0]) == 1 and str(tmp_path / "engine") in notes[0][0] and notes[1] == []

@@ -121,11 +121,14 @@ def test_a_machine_is_measured_once_and_every_run_reads_the_same_table(tmp_path,
     # Why: the CLI prices its choices with this machine's own costs, yet two runs of a command
     # must print the same tokens: the measurement is taken once, kept, and read back after.
     model = tiny_llama(0)
-    first = cost.calibrated(model, tmp_path)
+    heard = []
+    first = cost.calibrated(model, tmp_path, notify=heard.append)
+    assert len(heard) == 1 and str(next(tmp_path.iterdir())) in heard[0]   # says where, once
     assert sorted(first) == [1, 2, 4, 8, 16, 32] and first[1] == 1.0 and len(list(tmp_path.iterdir())) == 1
     noisy = iter(range(100))                       # what a second measurement would say
     monkeypatch.setattr(cost, "measure", lambda m: {1: 1.0, 8: 1.0 + next(noisy)})
-    assert cost.calibrated(model, tmp_path) == cost.calibrated(model, tmp_path) == first
+    assert cost.calibrated(model, tmp_path, heard.append) == cost.calibrated(model, tmp_path) == first
+    assert len(heard) == 1
     # the broken variant, measuring on every run, gives each run its own price list
     assert cost.measure(model) != cost.measure(model)
 

@@ -231,7 +231,7 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     price their choices with this machine's measured costs, as the CLI's do."""
     name, second, knobs = config
     if "cost_table" in DECODERS[name].knobs:
-        knobs = {"cost_table": calibrated(model)} | knobs
+        knobs = {"cost_table": calibrated(model, notify=progress)} | knobs
     models = (model,) if second is None else (model, second)
     steps, stats = [], Stats()
     run = DECODERS[name].decode(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)

@@ -40,11 +40,10 @@ class PackedLinear(nn.Module):
         self.packed = torch.ops.mkldnn._reorder_linear_weight(weight.detach(), 8)
 
     def forward(self, x: Tensor) -> Tensor:
-        if self.min_rows == 1:                                        # the default: every k alike
+        # min_rows 1, the default, skips the row count: the hot path of every step
+        if self.min_rows == 1 or x.numel() // x.shape[-1] >= self.min_rows:
             return LINEAR(x, self.packed, None, "none", [], "")
         n = x.numel() // x.shape[-1]                                  # rows, B*T
-        if n >= self.min_rows:
-            return LINEAR(x, self.packed, None, "none", [], "")
         # subtle: oneDNN takes a matrix-vector kernel for one row and a matrix-matrix kernel
         # for two or more, and they round differently; the latter gives every row the same
         # bits whatever the row count, so zero rows make one-row steps take it too

@@ -266,8 +266,8 @@ def run(args) -> dict:
     model = load(ckpt, args)
     second, notes = models(args), []          # a bad --draft or --amateur fails before measuring
     if args.cost_table is None and "cost_table" in DECODERS[args.decoder].knobs:
-        # this machine's costs, measured once, then read back
-        args.cost_table = calibrated(model, notify=notes.append)   # said after the answer
+        # this machine's costs, measured once, then read back; a note after the answer says where
+        args.cost_table = calibrated(model, notify=notes.append)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     d = DECODERS[args.decoder]
     steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=args.trace,

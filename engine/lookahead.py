@@ -20,6 +20,9 @@ Choices where LADE and llama.cpp differ (small samples below; the benchmark has 
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
 - The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
   first guess is prompt lookup's (engine/lookup.py), matched on the last N-1 tokens, not x alone.
+- The automatic choice (no --window/--guesses) adds a copy arm: prompt lookup's guess, up to 8
+  tokens, cut to the length that pays (engine/lookup.py, Priced). On 14 bench prompts it took
+  the priced speed of the median prompt from 1.00 to 1.10 (engine/cost.py's prices here).
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
 is `generate()`'s job), so an EOS may sit in the window like any other token.
@@ -36,7 +39,7 @@ from engine.cost import row_cost
 from engine.generate import Step
 from engine.kvcache import KVCache
 from engine.llama import Llama
-from engine.lookup import find
+from engine.lookup import Priced, find
 from engine.sampling import Random, Sampler, verify_match
 
 
@@ -163,9 +166,12 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 # --------------------------------------------------------------------------- decoder
 
 DEFAULT_N = 4                          # n-gram size when --ngram is not given (make bench: N4 beat N5 here)
-# (W, G) arms of the automatic choice, cheap to costly: a plain step, prompt lookup (the pool's
-# guesses, no window), then Jacobi windows
-ARMS = ((0, 0), (0, 1), (0, 4), (2, 2), (3, 3), (5, 5))
+# (W, G) arms of `Auto`, cheap to costly: a plain step, then Jacobi windows with G pool guesses.
+# Prompt lookup is the copy arm, priced apart (engine/lookup.py, Priced): it knows, per step,
+# how long a match it has, which no average over steps can know. Pool-only arms (W = 0, G = 1
+# or 4) were not chosen once the copy arm existed (14 bench prompts, 64 tokens each)
+ARMS = ((0, 0), (2, 2), (3, 3), (5, 5))
+COPY_MOST = 8                          # the copy arm guesses at most this many tokens (lookup's K)
 
 
 class Auto:
@@ -197,6 +203,10 @@ class Auto:
     def value(self, a: int) -> float:
         return self.tokens[a] / max(self.spent[a], 1e-9)
 
+    def best(self) -> float:
+        """The highest value of the arms tried so far (at least plain's 1)."""
+        return max(self.value(a) for a in range(len(self.arms)) if self.last[a] >= 0)
+
     def choose(self) -> int:
         self.step += 1
         # subtle: once a cheap guessing arm loses to plain, dearer ones are left to their
@@ -221,6 +231,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
         pool <- n-grams of prompt; window <- N-1 levels x W copied from prompt; x <- prompt[-1]
         loop:
+            (auto) candidates <- [Priced's copy] if it pays; else (W, G) <- Auto's arm
             rows   <- [x] + window + trie(candidates(x))     under one tree mask, P = pos(x)
             logits <- model(rows), kept only at x, the newest level and the trie
             y      <- verify_match(logits[x], logits[trie], candidates)  # 1..N tokens
@@ -230,13 +241,17 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
     `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens accepted
     (> 0 iff the pool hit). `trim_layers` freezes the window's older levels in the last layers.
-    With window and guesses both None, (W, G) is chosen per step by `Auto` among ARMS, priced
-    by engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)); with either given, the other
-    defaults to it. W = 0 is prompt-lookup decoding (guesses from the pool only). `trace` puts
-    the step's window, guesses, arm and verdict in `Step.trace` (engine/trace.py prints it).
+    With window and guesses both None, each step first prices prompt lookup's copy (`Priced`,
+    engine/lookup.py: up to COPY_MOST tokens, sent alone when its expected tokens per unit of
+    cost beat every other arm's); else `Auto` picks (W, G) among ARMS, a plain step included.
+    Both price rows with engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)). With window or
+    guesses given, the other defaults to it and no arm is chosen; W = 0 is prompt lookup from
+    the pool. `trace` puts the step's window, guesses, arm and verdict in `Step.trace`.
     """
     N = DEFAULT_N if ngram is None else ngram
-    auto = Auto(ARMS, row_cost(model, cost_table), N) if window is None and guesses is None else None
+    cost = row_cost(model, cost_table)
+    auto = Auto(ARMS, cost, N) if window is None and guesses is None else None
+    copier = Priced(cost, N, COPY_MOST) if auto else None
     W = window if window is not None else guesses
     G = guesses if guesses is not None else window
     if auto:
@@ -251,8 +266,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
         raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
-    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + (N - 1) * (W + G),
-                              scratch=(N - 1) * (W + G))
+    rows = max((N - 1) * (W + G), COPY_MOST if auto else 0)
+    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + rows, scratch=rows)
     pool = Pool(G, N)
     pool.add_text(prompt)
     grid = init_window(prompt, W, N)
@@ -260,12 +275,14 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         W, G, grid = 0, 0, [[] for _ in grid]
     text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
     while True:
-        arm = auto.choose() if auto and not prefix else None
-        if arm is not None:
-            W, G = ARMS[arm]
+        room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can still use
+        copy = copier.guess(text, auto.best(), room) if auto and not prefix else []
+        arm = auto.choose() if auto and not prefix and not copy else None
+        if arm is not None or copy:
+            W, G = ARMS[arm] if arm is not None else (0, 1)
             fill = (text[-W:] * W)[:W]                 # new columns start from recent text
             grid = [(level + fill)[:W] for level in grid]
-        cands = candidates(pool, text, G, N) if G else []
+        cands = [tuple(copy)] if copy else candidates(pool, text, G, N) if G else []
         tokens, parent, newest, paths = layout(x, grid, cands)
         keep = sorted({0, *newest, *range((N - 1) * W, len(tokens))})
         # subtle: for m > 1 trimmed layers, frozen prompt rows would cache K/V computed from a
@@ -274,16 +291,18 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         base = cache.length + len(prefix)                             # slot and position of x
         logits = forward(model, cache, prefix, tokens, parent, keep, trim)  # (len(keep), V)
         at = {r: i for i, r in enumerate(keep)}
+        L = len(cands[0]) if cands else 0                             # N-1, or the copy's length
         idx = torch.tensor([[at[r] for r in path] for path in paths], dtype=torch.long)
-        rows = logits[idx.view(-1, N - 1).to(logits.device)]          # (G', N-1, V)
-        cand = torch.tensor(cands, dtype=torch.long).view(-1, N - 1)  # (G', N-1)
+        rows = logits[idx.view(len(cands), L).to(logits.device)]      # (G', L, V)
+        cand = torch.tensor(cands, dtype=torch.long).view(len(cands), L)  # (G', L)
         out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
         m = len(out) - 1                                              # guess tokens accepted
         cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
         info = None
         if trace:   # before the window moves: the rows this forward saw
             info = {"kind": "lookahead", "position": base + 1, "prefill": len(prefix), "x": x,
-                    "N": N, "arm": ARMS[arm] if arm is not None else None, "window": [l[:] for l in grid],
+                    "N": N, "arm": "copy" if copy else ARMS[arm] if arm is not None else None,
+                    "window": [l[:] for l in grid],
                     "parent": parent, "guesses": cands, "best": best, "accepted": m, "next": out[-1]}
         if W:                                                         # the window moves on
             new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (W,) argmax, even sampling
@@ -296,7 +315,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             auto.update(arm, len(out), len(tokens))
         prefix, x = [], out[-1]
         yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m, trace=info,
-                   arm="" if arm is None else ("plain" if W + G == 0 else f"W{W} G{G}"))
+                   arm="copy" if copy else "" if arm is None else "plain" if W + G == 0 else f"W{W} G{G}")
 
 
 def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, ...]]:

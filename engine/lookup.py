@@ -10,6 +10,7 @@ per target forward, one line in engine/decoders.py, a flag per knob in engine/ru
 (--lookup-ngram, --lookup-tokens) and tests/test_lookup.py. The drafts are checked with
 `verify_match`, so the output is plain decoding's, greedy or sampled with the same seed.
 But: a linear scan for the match (llama.cpp keeps an n-gram map), one guess per step.
+`Priced` (below `find`) is lookahead's copy arm: the same guess, cut to the length that pays.
 """
 from __future__ import annotations
 
@@ -35,6 +36,59 @@ def find(text: list[int], ngram: int, k: int) -> tuple[list[int], int, int]:
             if text[i:i + n] == tail:
                 return text[i + n:i + n + k], n, i
     return [], 0, -1
+
+
+class Priced:
+    """Prompt lookup's guess, cut to the length that pays for its rows (lookahead's copy arm).
+
+    Each step proposes find()'s `most` tokens; how far such a guess would be accepted is
+    learned from the text itself. A proposal is checked against the tokens that came after
+    it, whether it was sent or not: greedy or sampled, a sent guess is accepted exactly as far
+    as it agrees with what follows (verify_match), so this shadow check is free and exact, and
+    no step is spent exploring. By match length n and guess position j:
+
+        p[n, j] = (agreed + 1/2) / (checked + 1)      P(token j agrees | tokens < j agreed)
+        E(L)    = 1 + sum_{j<L} prod_{i<=j} p[n, i]     tokens a forward with L guessed emits
+        L*      = argmax_L E(L) / cost(1 + L), or no guess when that is <= 1 (a plain step's)
+    The counts depend on the tokens alone, so the same text gets the same guesses, every run.
+    """
+
+    def __init__(self, cost, ngram: int = 4, most: int = 8):
+        self.cost, self.ngram, self.most = cost, ngram, most
+        self.checked: dict[tuple[int, int], int] = {}
+        self.agreed: dict[tuple[int, int], int] = {}
+        self.pending: list[tuple[int, int, list[int]]] = []   # (text position, n, proposal)
+
+    def guess(self, text: list[int], beat: float = 1.0, room: int | None = None) -> list[int]:
+        """The priced cut of the copy that would follow `text`: [] unless its expected tokens per
+        unit of cost beat `beat` (a plain step's 1, or the best other arm's value); at most
+        `room` tokens (a guess past the budget buys nothing)."""
+        self.learn(text)
+        full, n, _ = find(text, self.ngram, self.most)
+        if full:
+            self.pending.append((len(text), n, full))
+        full = full[:room]
+        best, cut, tokens, alive = beat, 0, 1.0, 1.0
+        for j in range(len(full)):
+            alive *= (self.agreed.get((n, j), 0) + 0.5) / (self.checked.get((n, j), 0) + 1)
+            tokens += alive
+            if tokens / self.cost(j + 2) > best:
+                best, cut = tokens / self.cost(j + 2), j + 1
+        return full[:cut]
+
+    def learn(self, text: list[int]) -> None:
+        """Check each proposal against the tokens that followed it, once they decide it."""
+        waiting = []
+        for at, n, full in self.pending:
+            after = text[at:at + len(full)]
+            j = next((i for i, (a, b) in enumerate(zip(full, after)) if a != b), len(after))
+            if j == len(after) < len(full):                  # agrees so far, not yet decided
+                waiting.append((at, n, full))
+                continue
+            for i in range(min(j + 1, len(full))):           # positions 0..j were checked
+                self.checked[n, i] = self.checked.get((n, i), 0) + 1
+                self.agreed[n, i] = self.agreed.get((n, i), 0) + (i < j)
+        self.pending = waiting
 
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,

@@ -147,9 +147,10 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
             start = pair.target_seen
             logits = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device),
                                  k + 1)                                               # (K+1, V)
-            if verify == "rejection":
-                p = sampler.probs(logits)                                            # (K+1, V)
-                out = verify_rejection(p, q, drafts, rng, n)
+            if not k:       # a plain step: plain's draw, which is either verification's with no drafts
+                out = [sampler.draw(logits[0], rng, "token", n)]
+            elif verify == "rejection":
+                out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
             else:
                 out, _ = verify_match(logits[0], logits[None, 1:], as_tensor(drafts), sampler, rng, n)
             if tuner:
@@ -158,7 +159,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
             seq += out
             info = None
             if trace:   # the uniform each verdict read: ("accept", t), or plain's ("token", t) if coupled
-                p = sampler.probs(logits) if verify == "coupled" else p
+                p = sampler.probs(logits)                                            # (K+1, V)
                 u = [rng.uniform("accept" if verify == "rejection" else "token", n + i) for i in range(k)]
                 info = {"kind": "speculative", "position": n, "verify": verify, "adaptive": bool(tuner),
                         **verdicts(p, q, drafts, out, u)}

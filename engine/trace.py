@@ -65,6 +65,7 @@ class Tracer:
         W, N, x, P = len(t["window"][0]) if t["window"] else 0, t["N"], t["x"], t["position"] - 1
         arm, G = t["arm"], len(t["guesses"])
         how = (f"W={W} N={N}" if arm is None else "arm plain (one row)" if arm == (0, 0) else
+               f"arm copy ({len(t['guesses'][0])} tokens, priced)" if arm == "copy" else
                f"arm lookup (W=0, G={arm[1]})" if arm[0] == 0 else f"arm W={arm[0]} G={arm[1]}")
         out = [f"{head} {how}  x={self.show([x])} @{P}"
                + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]

@@ -119,6 +119,22 @@ def test_guesses_really_get_accepted_on_the_tiny_model(sampler):
     assert stats.tokens_per_forward > 1.5
 
 
+def test_copy_arm_is_taken_and_its_guesses_accepted_on_the_tiny_model():
+    # Why: the automatic choice's equality tests are vacuous for the copy arm unless it runs
+    # and its guesses pass: on a flat price list it copies, and some copies emit 3+ tokens.
+    copied = []
+
+    def log(steps):
+        for step in steps:
+            copied.extend([len(step.tokens)] if step.arm == "copy" else [])
+            yield step
+    for seed in range(3):
+        model, prompt = tiny_llama(seed, vocab=4), prompt_for(seed, 8, 4)
+        list(generate(log(lookahead.decode(model, prompt, sampler=GREEDY, rng=Random(0), max_new_tokens=40,
+                                           cost_table={1: 1.0, 64: 1.0})), max_new_tokens=40))
+    assert copied and max(copied) >= 3
+
+
 # --------------------------------------------------------------------------- teeth
 
 def sabotaged_greedy_test():

@@ -99,6 +99,29 @@ def test_steps_never_overshoot_the_budget(kind, seed, K, budget):
     assert emitted == budget
 
 
+@given(kind=KINDS, seed=st.integers(0, 2**16), P=st.integers(1, 4), verify=st.sampled_from(["rejection", "coupled"]),
+       temperature=st.sampled_from([0.5, 1.0, 1.5]))
+def test_k_zero_steps_are_plain_sampling_with_the_same_seed(kind, seed, P, verify, temperature):
+    # Why: adaptive K spends most steps at K = 0 when the draft does not pay; such a step must
+    # be a plain step, token for token with plain's seed, under either verification.
+    assert same_as_plain(kind, seed, 0, P, 10, sampler=Sampler(temperature), verify=verify)
+
+
+def test_k_zero_test_catches_a_plain_step_drawn_with_another_key(monkeypatch):
+    # Why: a K = 0 step drawing with the draft's key would still sample the target's law, but
+    # not plain's tokens for the seed; the test above must see it (plain keeps the right key).
+    class Skewed(Sampler):
+        def draw(self, logits, rng, stream, position):
+            return super().draw(logits, rng, "draft", position)
+    real = speculative.decode
+    monkeypatch.setattr(speculative, "decode", lambda *a, sampler, **k: real(*a, sampler=Skewed(sampler.temperature), **k))
+    monkeypatch.setitem(globals(), "decode", speculative.decode)
+    inner = test_k_zero_steps_are_plain_sampling_with_the_same_seed.hypothesis.inner_test
+    with pytest.raises(AssertionError):
+        for seed in range(5):
+            inner(kind="self", seed=seed, P=2, verify="rejection", temperature=1.0)
+
+
 # --------------------------------------------------------------------------- coupled sampling
 
 @given(kind=KINDS, seed=st.integers(0, 2**16), K=st.integers(1, 5), P=st.integers(1, 4),

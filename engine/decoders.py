@@ -30,5 +30,5 @@ DECODERS = {
                            speculative.SelfDraft),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
                                                 "speculative", "num_draft"), "amateur"),
-    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens")),
+    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens", "adaptive", "cost_table")),
 }

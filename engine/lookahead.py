@@ -276,7 +276,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
     while True:
         room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can still use
-        copy = copier.guess(text, auto.best(), room) if auto and not prefix else []
+        copy = copier.guess(text, auto.best(), room)[0] if auto and not prefix else []
         arm = auto.choose() if auto and not prefix and not copy else None
         if arm is not None or copy:
             W, G = ARMS[arm] if arm is not None else (0, 1)

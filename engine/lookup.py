@@ -9,8 +9,9 @@ This file is the README's "adding a decoder" example: a `decode` generator yield
 per target forward, one line in engine/decoders.py, a flag per knob in engine/run.py
 (--lookup-ngram, --lookup-tokens) and tests/test_lookup.py. The drafts are checked with
 `verify_match`, so the output is plain decoding's, greedy or sampled with the same seed.
+`Priced` cuts the guess to the length that pays for its rows (`adaptive`, the CLI's default;
+lookahead's copy arm is the same), so a text that does not repeat decodes at plain's pace.
 But: a linear scan for the match (llama.cpp keeps an n-gram map), one guess per step.
-`Priced` (below `find`) is lookahead's copy arm: the same guess, cut to the length that pays.
 """
 from __future__ import annotations
 
@@ -18,6 +19,7 @@ from typing import Iterator
 
 import torch
 
+from engine.cost import row_cost
 from engine.generate import Step
 from engine.kvcache import KVCache
 from engine.llama import Llama
@@ -59,12 +61,12 @@ class Priced:
         self.agreed: dict[tuple[int, int], int] = {}
         self.pending: list[tuple[int, int, list[int]]] = []   # (text position, n, proposal)
 
-    def guess(self, text: list[int], beat: float = 1.0, room: int | None = None) -> list[int]:
-        """The priced cut of the copy that would follow `text`: [] unless its expected tokens per
-        unit of cost beat `beat` (a plain step's 1, or the best other arm's value); at most
-        `room` tokens (a guess past the budget buys nothing)."""
+    def guess(self, text: list[int], beat: float = 1.0, room: int | None = None) -> tuple[list[int], int, int]:
+        """find()'s (guess, n, start), the guess cut to its priced length: [] unless its expected
+        tokens per unit of cost beat `beat` (a plain step's 1, or the best other arm's value);
+        at most `room` tokens (a guess past the budget buys nothing)."""
         self.learn(text)
-        full, n, _ = find(text, self.ngram, self.most)
+        full, n, start = find(text, self.ngram, self.most)
         if full:
             self.pending.append((len(text), n, full))
         full = full[:room]
@@ -74,7 +76,7 @@ class Priced:
             tokens += alive
             if tokens / self.cost(j + 2) > best:
                 best, cut = tokens / self.cost(j + 2), j + 1
-        return full[:cut]
+        return full[:cut], n, start
 
     def learn(self, text: list[int]) -> None:
         """Check each proposal against the tokens that followed it, once they decide it."""
@@ -92,12 +94,14 @@ class Priced:
 
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
-           lookup_ngram: int = 3, lookup_tokens: int = 8, trace: bool = False) -> Iterator[Step]:
+           lookup_ngram: int = 3, lookup_tokens: int = 8, adaptive: bool = False,
+           cost_table: dict[int, float] | None = None, trace: bool = False) -> Iterator[Step]:
     """Prompt lookup decoding (Saxena 2023), one yield per forward; greedy or sampled, exact.
 
         text <- prompt
         loop:
             g <- the K tokens after the latest earlier match of text[-n:], n = N..1 ([] if none)
+            adaptive: g <- g[:L], L priced by `Priced` (L = 0: a plain step)
             logits <- model(text[-1] + g), causal, rows after the cache        # 1 + K rows
             y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix
             cache <- drop the rows of the rejected guesses;  text += y;  yield y
@@ -110,9 +114,11 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + K, scratch=K)
     device = model.tok_embeddings.weight.device
     text, end = list(prompt), len(prompt) + max_new_tokens
+    priced = Priced(row_cost(model, cost_table), lookup_ngram, K) if adaptive else None
     while True:
         n = len(text)                                     # position of the first new token
-        guess, m, start = find(text, lookup_ngram, min(K, max(end - n - 1, 0)))
+        room = min(K, max(end - n - 1, 0))
+        guess, m, start = priced.guess(text, room=room) if priced else find(text, lookup_ngram, room)
         feed = text[cache.length:] + guess                # the prompt first, then the last token
         positions = torch.arange(cache.length, cache.length + len(feed), device=device)
         logits = model(torch.tensor([feed], device=device), positions, cache,

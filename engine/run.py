@@ -110,7 +110,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--num-draft", type=int,
                    help="K draft tokens per step (default 4; with --adaptive, the K it starts from: 1)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose K per step (0 = a plain step) from the acceptance seen and the cost model (default on)")
+                   help="choose K per step (0 = a plain step) from the acceptance seen and the cost model; "
+                        "lookup: cut each copy to the length that pays (default on)")
     g.add_argument("--verify", default="rejection", choices=["rejection", "coupled"],
                    help="rejection sampling, or coupled noise (seed-identical to plain)")
     g = p.add_argument_group("contrastive")

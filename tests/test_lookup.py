@@ -43,6 +43,19 @@ def test_lookup_sampling_is_seed_identical_to_plain(seed, V, P, n, temperature, 
     assert run(lookup.decode, model, prompt, n, sampler=sampler, seed=seed, lookup_tokens=K) == want
 
 
+@given(seed=st.integers(0, 2**16), V=st.integers(3, 8), P=st.integers(1, 10), n=st.integers(1, 30),
+       slope=st.floats(0.0, 0.5), temperature=st.sampled_from([0.0, 0.7, 1.3]))
+def test_adaptive_lookup_is_plain_decoding_whatever_it_prices(seed, V, P, n, slope, temperature):
+    # Why: `adaptive` cuts each copy to the length its prices say pays, down to none (a plain
+    # step); drawn price lists force many schedules, and every one must print plain's tokens,
+    # greedy or sampled with the same seed.
+    model, prompt = tiny_llama(seed % 5, vocab=V), prompt_for(seed, P, V)
+    sampler = Sampler(temperature)
+    want = run(plain, model, prompt, n, sampler=sampler, seed=seed)
+    table = {1: 1.0, 64: 1.0 + 63 * slope}
+    assert run(lookup.decode, model, prompt, n, sampler=sampler, seed=seed, adaptive=True, cost_table=table) == want
+
+
 @pytest.mark.parametrize("sampler", [GREEDY, Sampler(0.7)])
 def test_copied_tokens_really_get_accepted_on_the_tiny_model(sampler):
     # Why: the equality tests are vacuous if no copy is ever accepted: show multi-token steps
@@ -172,7 +185,7 @@ def test_priced_copy_test_catches_scoring_a_proposal_before_it_is_decided(monkey
 
 def priced_guesses(text: list[int], cost, step: int = 1) -> list[list[int]]:
     priced = lookup.Priced(cost)
-    return [priced.guess(text[:at]) for at in range(4, len(text), step)]
+    return [priced.guess(text[:at])[0] for at in range(4, len(text), step)]
 
 
 def test_priced_copy_guesses_long_where_the_text_repeats():

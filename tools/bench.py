@@ -219,9 +219,12 @@ CONFIGS = {
     "lookahead W15 N5 G15": ("lookahead", None, dict(window=15, ngram=5, guesses=15)),
     "speculative L=12 K=3": ("speculative", speculative.SelfDraft(12), dict(num_draft=3)),
     "speculative L=20 adaptive": ("speculative", speculative.SelfDraft(20), dict(adaptive=True)),
-    "lookup": ("lookup", None, {}),
+    "lookup": ("lookup", None, dict(adaptive=True)),     # as the CLI runs it: copies cut to what pays
+    "lookup K=8": ("lookup", None, dict(adaptive=False)),  # the textbook: 8 tokens at every match
+    # plain once more, later in each round: its cells are the noise every other row sits in
+    "plain again": ("plain", None, {}),
 }
-DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive")   # what `make bench` runs
+DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive", "plain again")  # `make bench`
 # a config is compared with plain, unless it runs on another model: then with plain on that one
 BASELINE = {"lookahead auto --int4": "plain --int4"}
 

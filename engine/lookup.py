@@ -40,6 +40,9 @@ def find(text: list[int], ngram: int, k: int) -> tuple[list[int], int, int]:
     return [], 0, -1
 
 
+PRIOR = (0.5, 1.0)       # (agreed, checked) before any check: an unseen position agrees 1 in 2
+
+
 class Priced:
     """Prompt lookup's guess, cut to the length that pays for its rows (lookahead's copy arm).
 
@@ -72,7 +75,7 @@ class Priced:
         full = full[:room]
         best, cut, tokens, alive = beat, 0, 1.0, 1.0
         for j in range(len(full)):
-            alive *= (self.agreed.get((n, j), 0) + 0.5) / (self.checked.get((n, j), 0) + 1)
+            alive *= (self.agreed.get((n, j), 0) + PRIOR[0]) / (self.checked.get((n, j), 0) + PRIOR[1])
             tokens += alive
             if tokens / self.cost(j + 2) > best:
                 best, cut = tokens / self.cost(j + 2), j + 1

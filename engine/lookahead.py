@@ -149,8 +149,10 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
     """Logits (len(keep), V) of step rows `keep`; `prefix` rows (prefill only) go first, causal."""
     c, p, T = cache.length, len(prefix), len(tokens)
     device = model.tok_embeddings.weight.device
-    if p + T == 1:                      # a plain step (the plain arm): x alone, as plain sends it
-        return model(torch.tensor([tokens], device=device), torch.tensor([c], device=device), cache)[0]
+    if parent == list(range(-1, T - 1)):   # one chain (a plain step, a copy, the prefill): causal
+        rows = [p + r for r in keep]
+        return model(torch.tensor([prefix + tokens], device=device), torch.arange(c, c + p + T, device=device),
+                     cache, keep=None if rows == [0] else rows, trim_layers=trim_layers)[0]  # (len(keep), V)
     tree = tree_mask(parent)                                          # (T, T)
     mask = torch.ones(p + T, c + p + T, dtype=torch.bool)             # (p+T, S)
     mask[:p, c:] = torch.ones(p, p + T, dtype=torch.bool).tril()      # prefix: causal, no step rows

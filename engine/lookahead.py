@@ -180,14 +180,15 @@ class Auto:
     """Pick (W, G) per step by expected tokens per unit of cost; a plain step is one of the arms.
 
         value(arm) = decayed tokens its steps emitted / decayed cost of their forwards
-        choose: an untried arm (cheap to costly) while every guessing arm tried so far beats
-                plain, else one unchosen for patience * (c - 1) steps (c = its nominal cost),
-                else the arm of highest value (plain's is 1)
+        choose: an arm unchosen for patience * (c - 1) steps (c = its nominal cost; untried
+                arms count from step 0), cheap to costly, else the arm of highest value
     Costs come from engine/cost.py (rows -> units of a one-row forward), never the clock, so
     the schedule depends on the tokens alone and a rerun takes the same arms. Every arm is
-    exact, so on an exact path the schedule moves the speed, never the tokens. A retry spends
+    exact, so on an exact path the schedule moves the speed, never the tokens. A try spends
     at most c - 1 extra units and comes at most every patience * (c - 1) steps: exploration
-    costs at most 1/patience of a plain step per step and per arm (1% each at 100).
+    costs at most 1/patience of a plain step per step and per arm (1% each at 100). Where rows
+    are cheap (a GPU: c = 1.06 for W2 G2) a window is first tried after 6 steps; where they
+    are dear (AVX2: c = 1.7) after 70, so a short chat answer never pays to learn that.
     """
 
     def __init__(self, arms, cost, n: int, decay: float = 0.8, patience: int = 100):
@@ -211,12 +212,9 @@ class Auto:
 
     def choose(self) -> int:
         self.step += 1
-        # subtle: once a cheap guessing arm loses to plain, dearer ones are left to their
-        # timers: trying each once up front cost ~6 plain steps of a 64-token chat answer
-        winning = all(self.value(a) >= 1 for a in range(len(self.arms)) if self.last[a] >= 0)
         for a in sorted(range(len(self.arms)), key=self.nominal.__getitem__):
-            if (self.last[a] < 0 and winning) or self.step - max(self.last[a], 0) > self.wait[a]:
-                return a                          # untried, or not tried for long
+            if self.step - max(self.last[a], 0) > self.wait[a]:
+                return a                          # not tried for long, or never
         return max(range(len(self.arms)), key=self.value)
 
     def update(self, arm: int, tokens: int, rows: int) -> None:

@@ -221,11 +221,17 @@ def test_auto_configuration_switches_arms_without_changing_tokens(seed, n, slope
     assert got == run(plain, model, prompt, n)
 
 
-def test_auto_tries_every_arm_then_prefers_the_most_tokens_per_unit_cost():
+def test_auto_tries_an_arm_after_its_wait_then_prefers_the_most_tokens_per_unit_cost():
+    # Why: an arm costing c units is first tried after patience * (c - 1) plain steps, as a
+    # retry would be, so a dear window is never paid for in a short answer; once tried, the
+    # arm with the most tokens per unit of cost wins.
     auto = lookahead.Auto(((0, 0), (1, 1), (2, 2)), cost=lambda k: 1 + 0.1 * (k - 1), n=3)
-    assert auto.choose() == 1                            # untried arms first, cheap to costly;
-    #                                                      plain's value is known: 1 token a unit
+    assert auto.wait[1:] == [40, 80]                     # c = 1.4 (5 rows) and 1.8 (9 rows)
+    assert [auto.choose() for _ in range(40)] == [0] * 40   # plain's value is known: 1 a unit
+    assert auto.choose() == 1
     auto.update(1, tokens=3, rows=5)                     # 3 tokens for 1.4 units
+    assert auto.choose() == 1                            # 2.1 tokens a unit beats plain's 1
+    auto.step = 80
     assert auto.choose() == 2
     auto.update(2, tokens=2, rows=9)                     # 2 tokens for 1.8 units
     assert auto.choose() == 1                            # 2.1 beats 1.0 and 1.1 tokens per unit

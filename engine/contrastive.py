@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from engine.draft import pair_for
+from engine.draft import draft_then_verify, pair_for
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_rejection
@@ -90,26 +90,13 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
     K = min(num_draft, max_new_tokens) if speculative else 0       # no step drafts past the budget
     pair = pair_for(expert, amateur, len(prompt) + max_new_tokens + K + 1, K + 1)  # amateur = the draft
-    device = expert.tok_embeddings.weight.device
-    as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
     seq = list(prompt)
     while True:
         t = len(seq)                                            # position of the first new token
-        feed, drafts, a_rows, q_rows = seq[pair.draft_seen:], [], [], []
-        # subtle: pass K feeds d_K-1 only for a_K, the amateur row the bonus position needs
-        for i in range(K + 1):
-            positions = torch.arange(t + i - len(feed), t + i, device=device)
-            a_rows.append(pair.propose(as_tensor(feed), positions))                # (V,)
-            if i < K:
-                q_rows.append(sampler.probs(a_rows[-1]))                    # (V,) float64
-                drafts.append(rng.categorical(q_rows[-1], "draft", t + i))
-                feed = drafts[-1:]
-        start = pair.target_seen
-        e = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, t + K, device=device),
-                        K + 1)                                              # (K+1, V)
+        # subtle: the amateur also reads d_K-1, for a_K: the row the bonus position needs
+        drafts, q, a_rows, e = draft_then_verify(pair, seq, K, sampler, rng, "draft", bonus_row=True)
         s = scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature)  # (K+1, V)
-        p = sampler.probs(s)
-        q = torch.stack(q_rows) if K else p[:0]                             # (K, V)
+        p = sampler.probs(s)                                                # (K+1, V)
         out = verify_rejection(p, q, drafts, rng, t)
         pair.rollback(t + len(out) - 1)                                     # keep accepted drafts
         seq += out

@@ -12,6 +12,7 @@ and the target's check resumes from the draft's layer-L stream, computing only l
     pair.propose(tokens, positions) -> (V,)           # the draft's logits after the last token
     pair.verify(tokens, positions, rows) -> (rows, V) # the target's logits at the last rows
     pair.rollback(n)                                  # forget every slot from n on
+    draft_then_verify(pair, seq, k, sampler, rng, stream)   # both decoders' step, up to the verdict
 """
 from __future__ import annotations
 
@@ -20,6 +21,7 @@ from torch import Tensor
 
 from engine.kvcache import KVCache
 from engine.llama import Llama
+from engine.sampling import Random, Sampler
 
 
 class Separate:
@@ -87,3 +89,28 @@ def pair_for(target: Llama, draft: Llama | int, capacity: int, scratch: int) -> 
         raise ValueError(f"vocab {draft.config.vocab_size} != the target's {target.config.vocab_size}: "
                          "the cheap model must speak in the target's token ids")
     return Separate(target, draft, capacity, scratch)
+
+
+def draft_then_verify(pair: Separate | EarlyExit, seq: list[int], k: int, sampler: Sampler, rng: Random,
+                      stream: str, bonus_row: bool = False) -> tuple[list[int], Tensor, list[Tensor], Tensor]:
+    """The draft proposes k tokens after `seq`, one at a time; the target scores them in one forward.
+
+        n = len(seq)
+        for i < k:  a_i = draft(seq + d_<i)[-1];  q_i = sampler.probs(a_i);  d_i ~ q_i, key (stream, n + i)
+        bonus_row:  a_k = draft(seq + d_<k)[-1], the draft at the position after the last draft
+        e_0..e_k = target(seq + d_0..d_k-1)[-k-1:]                   # one forward, k + 1 rows
+    Returns (drafts, q (k, V) float64, [a_0, ..], e (k + 1, V)); the caller judges the drafts.
+    """
+    device = pair.target.tok_embeddings.weight.device
+    as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
+    n, feed, drafts, a, q = len(seq), seq[pair.draft_seen:], [], [], []
+    for i in range(k + bonus_row):
+        a.append(pair.propose(as_tensor(feed), torch.arange(n + i - len(feed), n + i, device=device)))  # (V,)
+        if i < k:
+            q.append(sampler.probs(a[-1]))                # subtle: q is the law d_i was drawn from
+            drafts.append(rng.categorical(q[-1], stream, n + i))
+            feed = drafts[-1:]
+    start = pair.target_seen
+    e = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device), k + 1)
+    V = e.shape[-1]
+    return drafts, torch.stack(q) if q else torch.zeros(0, V, dtype=torch.float64, device=device), a, e

@@ -18,7 +18,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.cost import layer_share, row_cost
-from engine.draft import pair_for
+from engine.draft import draft_then_verify, pair_for
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
@@ -117,7 +117,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
     given, num_draft = num_draft, (0 if adaptive else 4) if num_draft is None else num_draft
     if not all(type(k) is int for k in (num_draft, max_draft)) or num_draft < 0 or max_draft < 1:
         raise ValueError(f"need integers num_draft >= 0, max_draft >= 1; got {num_draft!r}, {max_draft!r}")
-    V, L = target.config.vocab_size, target.config.n_layers
+    L = target.config.n_layers
     if isinstance(draft, SelfDraft) and not 1 <= draft.layers <= L:
         raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
     # a step never drafts past the budget, so K beyond it would only size the cache
@@ -129,30 +129,19 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
     capacity = len(prompt) + max_new_tokens + scratch
     pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity, scratch)
     tuner = Tuner(num_draft, max_draft, *price) if adaptive else None
-    device = target.tok_embeddings.weight.device
-    as_tensor = lambda tokens: torch.tensor([tokens], dtype=torch.long, device=device)  # (1, T)
     stream = "draft" if verify == "rejection" else "token"
 
     def steps(seq: list[int], end: int) -> Iterator[Step]:
         while True:
             n = len(seq)                                       # position of the first new token
             k = min(tuner.k if tuner else num_draft, max(end - n - 1, 0))
-            drafts, feed = [], seq[pair.draft_seen:]
-            q = torch.zeros(k, V, dtype=torch.float64, device=device)                # (K, V)
-            for i in range(k):
-                logits = pair.propose(as_tensor(feed), torch.arange(n + i - len(feed), n + i, device=device))
-                q[i] = sampler.probs(logits)                 # subtle: q is the law x was drawn from
-                drafts.append(rng.categorical(q[i], stream, n + i))
-                feed = drafts[-1:]
-            start = pair.target_seen
-            logits = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device),
-                                 k + 1)                                               # (K+1, V)
+            drafts, q, _, logits = draft_then_verify(pair, seq, k, sampler, rng, stream)  # (K, V), (K+1, V)
             if not k:       # a plain step: plain's draw, which is either verification's with no drafts
                 out = [sampler.draw(logits[0], rng, "token", n)]
             elif verify == "rejection":
                 out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
             else:
-                out, _ = verify_match(logits[0], logits[None, 1:], as_tensor(drafts), sampler, rng, n)
+                out, _ = verify_match(logits[0], logits[None, 1:], torch.tensor([drafts]), sampler, rng, n)
             if tuner:
                 tuner.update(k, len(out) - 1)
             pair.rollback(n + len(out) - 1)   # the last emitted token is fed next step

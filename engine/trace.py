@@ -66,7 +66,7 @@ class Tracer:
         arm, G = t["arm"], len(t["guesses"])
         how = (f"W={W} N={N}" if arm is None else "arm plain (one row)" if arm == (0, 0) else
                f"arm copy ({len(t['guesses'][0])} tokens, priced)" if arm == "copy" else
-               f"arm lookup (W=0, G={arm[1]})" if arm[0] == 0 else f"arm W={arm[0]} G={arm[1]}")
+               f"arm W={arm[0]} G={arm[1]}")
         out = [f"{head} {how}  x={self.show([x])} @{P}"
                + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]
         for l, level in enumerate(t["window"] if W else []):   # level l, column k: position P + l + k

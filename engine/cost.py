@@ -1,6 +1,6 @@
 """The adaptive decoders' price list: what a forward costs, in units of a one-row forward.
 
-Lookahead picks its arm (plain, lookup, a window size) and speculative decoding its draft
+Lookahead picks its arm (plain, a copy, a window size) and speculative decoding its draft
 length K by expected tokens per unit of cost. The cost comes from this fixed model, never
 from the wall clock, so the choice depends only on the tokens seen so far: the same command,
 seed and machine print the same tokens on every path, including the inexact ones (bf16,

@@ -16,13 +16,15 @@ Choices where LADE and llama.cpp differ (small samples below; the benchmark has 
   accepted token (llama.cpp) keeps positions aligned but needs filler tokens, and did no better:
   SmolLM2-135M, 6 chat prompts x 64 greedy tokens, 1.43 vs 1.41 tokens/forward (W5 N4 G5),
   1.43 vs 1.38 (W7 N5 G7); tiny random models: within 0.05 either way.
-- A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1).
+- A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1);
+  a copy step, up to COPY_MOST + 1.
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
 - The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
   first guess is prompt lookup's (engine/lookup.py), matched on the last N-1 tokens, not x alone.
-- The automatic choice (no --window/--guesses) adds a copy arm: prompt lookup's guess, up to 8
-  tokens, cut to the length that pays (engine/lookup.py, Priced). On 14 bench prompts it took
-  the priced speed of the median prompt from 1.00 to 1.10 (engine/cost.py's prices here).
+- The automatic choice (no --window/--guesses) adds a copy arm: prompt lookup's guess (a match
+  of up to N tokens, up to 8 copied), cut to the length that pays (engine/lookup.py, Priced).
+  Replayed on 14 bench prompts with an idle AVX2 EPYC's cost table, it took the median
+  prompt's tokens per unit of cost from 1.00 to 1.11 (docs/speed.md).
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
 is `generate()`'s job), so an EOS may sit in the window like any other token.
@@ -169,9 +171,9 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 
 DEFAULT_N = 4                          # n-gram size when --ngram is not given (make bench: N4 beat N5 here)
 # (W, G) arms of `Auto`, cheap to costly: a plain step, then Jacobi windows with G pool guesses.
-# Prompt lookup is the copy arm, priced apart (engine/lookup.py, Priced): it knows, per step,
-# how long a match it has, which no average over steps can know. Pool-only arms (W = 0, G = 1
-# or 4) were not chosen once the copy arm existed (14 bench prompts, 64 tokens each)
+# Prompt lookup is the copy arm, priced apart, per step (engine/lookup.py, Priced): its match
+# length varies from step to step, which a per-arm average cannot see. Pool-only arms (W = 0,
+# G = 1 or 4) were never chosen beside it (14 bench prompts, 64 tokens each), so they went.
 ARMS = ((0, 0), (2, 2), (3, 3), (5, 5))
 COPY_MOST = 8                          # the copy arm guesses at most this many tokens (lookup's K)
 
@@ -185,15 +187,17 @@ class Auto:
     Costs come from engine/cost.py (rows -> units of a one-row forward), never the clock, so
     the schedule depends on the tokens alone and a rerun takes the same arms. Every arm is
     exact, so on an exact path the schedule moves the speed, never the tokens. A try spends
-    at most c - 1 extra units and comes at most every patience * (c - 1) steps: exploration
-    costs at most 1/patience of a plain step per step and per arm (1% each at 100). Where rows
-    are cheap (a GPU: c = 1.06 for W2 G2) a window is first tried after 6 steps; where they
-    are dear (AVX2: c = 1.7) after 70, so a short chat answer never pays to learn that.
+    at most c - 1 extra units and comes at most once every patience * (c - 1) steps:
+    exploration costs at most 1/patience of a plain step per step and per arm (1% each at
+    100). Where rows are cheap (a GPU: c = 1.055 for W2 G2's 12 rows) a window is first tried
+    at Auto's 6th step; where they are dear (an AVX2 EPYC's table: c = 1.67) at its 68th, so
+    a short chat answer never pays to learn that. Copy steps are not Auto's and not counted.
     """
 
     def __init__(self, arms, cost, n: int, decay: float = 0.8, patience: int = 100):
         self.arms, self.cost, self.decay = arms, cost, decay
-        self.nominal = [cost(1 + (n - 1) * (w + g)) for w, g in arms]    # rows if every guess is there
+        # rows if every guess is there: x takes the window's first cell, or sits alone
+        self.nominal = [cost((n - 1) * (w + g) + (w == 0)) for w, g in arms]
         self.wait = [max(1, round(patience * (c - 1))) for c in self.nominal]
         # subtle: a one-row arm (plain) has nothing to learn: 1 token for 1 unit, known, never retried
         plain = [w + g == 0 for w, g in arms]
@@ -234,16 +238,17 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             (auto) candidates <- [Priced's copy] if it pays; else (W, G) <- Auto's arm
             rows   <- [x] + window + trie(candidates(x))     under one tree mask, P = pos(x)
             logits <- model(rows), kept only at x, the newest level and the trie
-            y      <- verify_match(logits[x], logits[trie], candidates)  # 1..N tokens
+            y      <- verify_match(logits[x], logits[trie], candidates)  # 1..N tokens (copy: 1..9)
             cache  <- cache + x + rows of the guess that y follows     # y[-1] is not cached
             pool   += (window column + argmax of its newest row) for each column, y's n-grams
             window <- window[1:] + [argmax of newest level];  x <- y[-1];  yield y
 
     `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens accepted
-    (> 0 iff the pool hit). `trim_layers` freezes the window's older levels in the last layers.
+    (> 0 iff a guess, the pool's or the copy, hit). `trim_layers` freezes the window's older levels in the last layers.
     With window and guesses both None, each step first prices prompt lookup's copy (`Priced`,
     engine/lookup.py: up to COPY_MOST tokens, sent alone when its expected tokens per unit of
-    cost beat every other arm's); else `Auto` picks (W, G) among ARMS, a plain step included.
+    cost beat the best value of the arms tried so far); else `Auto` picks (W, G) among ARMS,
+    a plain step included.
     Both price rows with engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)). With window or
     guesses given, the other defaults to it and no arm is chosen; W = 0 is prompt lookup from
     the pool. `trace` puts the step's window, guesses, arm and verdict in `Step.trace`.

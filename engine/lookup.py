@@ -10,7 +10,8 @@ per target forward, one line in engine/decoders.py, a flag per knob in engine/ru
 (--lookup-ngram, --lookup-tokens) and tests/test_lookup.py. The drafts are checked with
 `verify_match`, so the output is plain decoding's, greedy or sampled with the same seed.
 `Priced` cuts the guess to the length that pays for its rows (`adaptive`, the CLI's default;
-lookahead's copy arm is the same), so a text that does not repeat decodes at plain's pace.
+lookahead's copy arm prices its guesses the same way), so a text that does not repeat decodes
+at plain's pace.
 But: a linear scan for the match (llama.cpp keeps an n-gram map), one guess per step.
 """
 from __future__ import annotations
@@ -46,15 +47,14 @@ PRIOR = (0.5, 1.0)       # (agreed, checked) before any check: an unseen positio
 class Priced:
     """Prompt lookup's guess, cut to the length that pays for its rows (lookahead's copy arm).
 
-    Each step proposes find()'s `most` tokens; how far such a guess would be accepted is
-    learned from the text itself. A proposal is checked against the tokens that came after
-    it, whether it was sent or not: greedy or sampled, a sent guess is accepted exactly as far
-    as it agrees with what follows (verify_match), so this shadow check is free and exact, and
-    no step is spent exploring. By match length n and guess position j:
+    Each step proposes find()'s `most` tokens. Every proposal, sent or not, is checked against
+    the tokens that followed it: greedy or sampled, a sent guess is accepted exactly that far
+    (verify_match; on exact paths), so this shadow check is free and no step is spent
+    exploring. By match length n and guess position j:
 
         p[n, j] = (agreed + 1/2) / (checked + 1)      P(token j agrees | tokens < j agreed)
         E(L)    = 1 + sum_{j<L} prod_{i<=j} p[n, i]     tokens a forward with L guessed emits
-        L*      = argmax_L E(L) / cost(1 + L), or no guess when that is <= 1 (a plain step's)
+        L*      = argmax_L E(L) / cost(1 + L), or no guess when that is <= beat (plain's 1)
     The counts depend on the tokens alone, so the same text gets the same guesses, every run.
     """
 
@@ -105,7 +105,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         loop:
             g <- the K tokens after the latest earlier match of text[-n:], n = N..1 ([] if none)
             adaptive: g <- g[:L], L priced by `Priced` (L = 0: a plain step)
-            logits <- model(text[-1] + g), causal, rows after the cache        # 1 + K rows
+            logits <- model(text[-1] + g), causal, rows after the cache        # 1 + len(g) rows
             y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix
             cache <- drop the rows of the rejected guesses;  text += y;  yield y
     """
@@ -122,7 +122,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         n = len(text)                                     # position of the first new token
         room = min(K, max(end - n - 1, 0))
         guess, m, start = priced.guess(text, room=room) if priced else find(text, lookup_ngram, room)
-        feed = text[cache.length:] + guess                # the prompt first, then the last token
+        feed = text[cache.length:] + guess                # the whole prompt at first, then the last token
         positions = torch.arange(cache.length, cache.length + len(feed), device=device)
         logits = model(torch.tensor([feed], device=device), positions, cache,
                        keep=list(range(-len(guess) - 1, 0)))[0]                # (1+K, V)

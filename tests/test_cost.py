@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine import cost, lookahead, speculative
+from engine import cost, lookahead, lookup, speculative
 from engine.generate import generate
 from engine.llama import Llama
 from engine.sampling import Random, Sampler
@@ -74,10 +74,14 @@ def test_adaptive_decoders_print_the_same_tokens_whatever_the_clock(name, monkey
 
 
 def test_a_clock_driven_choice_is_caught(monkeypatch):
-    # the broken variant: an arm chosen from the clock (as the engine once did, by measured
-    # step times) moves the tokens of a row-dependent model; the test above must see that
+    # the broken variant: an arm and a copy length chosen from the clock (as the engine once
+    # did, by measured step times) move the tokens of a row-dependent model; the test above
+    # must see that
     monkeypatch.setattr(lookahead.Auto, "choose",
                         lambda self: int(time.perf_counter() * 1e3) % len(self.arms))
+    guess = lookup.Priced.guess
+    monkeypatch.setattr(lookup.Priced, "guess", lambda self, text, beat=1.0, room=None: guess(
+        self, text, 0.0, min(room, int(time.perf_counter() * 1e3) % 4)))
     model = row_dependent(0)
     runs = {tuple(tokens_under_clock(monkeypatch, c, lambda: DECODERS["lookahead auto, greedy"](model)))
             for c in range(3)}

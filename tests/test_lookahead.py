@@ -226,15 +226,16 @@ def test_auto_tries_an_arm_after_its_wait_then_prefers_the_most_tokens_per_unit_
     # retry would be, so a dear window is never paid for in a short answer; once tried, the
     # arm with the most tokens per unit of cost wins.
     auto = lookahead.Auto(((0, 0), (1, 1), (2, 2)), cost=lambda k: 1 + 0.1 * (k - 1), n=3)
-    assert auto.wait[1:] == [40, 80]                     # c = 1.4 (5 rows) and 1.8 (9 rows)
-    assert [auto.choose() for _ in range(40)] == [0] * 40   # plain's value is known: 1 a unit
-    assert auto.choose() == 1
-    auto.update(1, tokens=3, rows=5)                     # 3 tokens for 1.4 units
-    assert auto.choose() == 1                            # 2.1 tokens a unit beats plain's 1
-    auto.step = 80
-    assert auto.choose() == 2
-    auto.update(2, tokens=2, rows=9)                     # 2 tokens for 1.8 units
-    assert auto.choose() == 1                            # 2.1 beats 1.0 and 1.1 tokens per unit
+    assert auto.wait[1:] == [30, 70]                     # c = 1.3 (4 rows) and 1.7 (8 rows)
+    assert [auto.choose() for _ in range(30)] == [0] * 30   # plain's value is known: 1 a unit
+    assert auto.choose() == 1                            # step 31: its wait is over
+    auto.update(1, tokens=3, rows=4)                     # 3 tokens for 1.3 units
+    for _ in range(39):                                  # steps 32-70: 2.3 a unit beats plain's 1
+        assert auto.choose() == 1
+        auto.update(1, tokens=3, rows=4)
+    assert auto.choose() == 2                            # step 71: the dearer arm's wait is over
+    auto.update(2, tokens=2, rows=8)                     # 2 tokens for 1.7 units
+    assert auto.choose() == 1                            # 2.3 beats 1.0 and 1.2 tokens per unit
 
 
 def cost_per_token(auto, cost, tokens_per_step, steps=1000):

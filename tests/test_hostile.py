@@ -24,7 +24,6 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
-import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import tools.convert

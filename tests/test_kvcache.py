@@ -5,7 +5,6 @@ from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
 from engine.kvcache import KVCache
-from engine.llama import causal_mask
 
 
 def toks(seed, T):

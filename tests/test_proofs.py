@@ -5,7 +5,6 @@ One parametrized entry per decoder configuration: `run(rng)` builds the decoder 
 (`exact_law.decoder_law`) walks every branch of the decoder's random draws, so the comparison
 is exact to float64 rounding: a decoder that is off by 1e-6 anywhere fails.
 """
-import itertools
 
 import pytest
 import torch

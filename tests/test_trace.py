@@ -4,7 +4,6 @@ A reader learns the algorithms from these traces, so a trace that flatters them 
 import json
 
 import pytest
-import torch
 
 from conftest import tiny_llama
 from engine import contrastive, lookahead, lookup, speculative
@@ -185,4 +184,4 @@ def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder,
     loud = json.loads(out)
     assert loud["tokens"] == quiet["tokens"]
     heads = [l for l in err.splitlines() if l.startswith("#")]
-    assert len(heads) == loud["n_forwards"] and heads[0].startswith(f"#0 @") and decoder[0] in heads[0]
+    assert len(heads) == loud["n_forwards"] and heads[0].startswith("#0 @") and decoder[0] in heads[0]

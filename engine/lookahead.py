@@ -21,10 +21,8 @@ Choices where LADE and llama.cpp differ (small samples below; the benchmark has 
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
 - The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
   first guess is prompt lookup's (engine/lookup.py), matched on the last N-1 tokens, not x alone.
-- The automatic choice (no --window/--guesses) adds a copy arm: prompt lookup's guess (a match
-  of up to N tokens, up to 8 copied), cut to the length that pays (engine/lookup.py, Priced).
-  Replayed on 14 bench prompts with an idle AVX2 EPYC's cost table, it took the median
-  prompt's tokens per unit of cost from 1.00 to 1.11 (docs/speed.md).
+- The automatic choice adds a copy arm (engine/lookup.py, Priced): on 14 bench prompts priced
+  by an AVX2 EPYC's cost table, median tokens per unit of cost 1.00 -> 1.11 (docs/speed.md).
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
 is `generate()`'s job), so an EOS may sit in the window like any other token.
@@ -244,14 +242,13 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             window <- window[1:] + [argmax of newest level];  x <- y[-1];  yield y
 
     `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens accepted
-    (> 0 iff a guess, the pool's or the copy, hit). `trim_layers` freezes the window's older levels in the last layers.
-    With window and guesses both None, each step first prices prompt lookup's copy (`Priced`,
-    engine/lookup.py: up to COPY_MOST tokens, sent alone when its expected tokens per unit of
-    cost beat the best value of the arms tried so far); else `Auto` picks (W, G) among ARMS,
-    a plain step included.
-    Both price rows with engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)). With window or
-    guesses given, the other defaults to it and no arm is chosen; W = 0 is prompt lookup from
-    the pool. `trace` puts the step's window, guesses, arm and verdict in `Step.trace`.
+    (> 0 iff a guess hit). `trim_layers` freezes the window's older levels in the last layers.
+    With window and guesses both None, each step first prices prompt lookup's copy (`Priced`:
+    up to COPY_MOST tokens, sent alone when its expected tokens per unit of cost beat the best
+    arm tried so far); else `Auto` picks (W, G) among ARMS, a plain step included. Both price
+    rows with engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)). With window or guesses
+    given, the other defaults to it and no arm is chosen; W = 0 is prompt lookup from the pool.
+    `trace` puts the step's window, guesses, arm and verdict in `Step.trace`.
     """
     N = DEFAULT_N if ngram is None else ngram
     cost = row_cost(model, cost_table)

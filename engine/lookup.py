@@ -64,7 +64,8 @@ class Priced:
         self.agreed: dict[tuple[int, int], int] = {}
         self.pending: list[tuple[int, int, list[int]]] = []   # (text position, n, proposal)
 
-    def guess(self, text: list[int], beat: float = 1.0, room: int | None = None) -> tuple[list[int], int, int]:
+    def guess(self, text: list[int], beat: float = 1.0,
+              room: int | None = None) -> tuple[list[int], int, int]:
         """find()'s (guess, n, start), the guess cut to its priced length: [] unless its expected
         tokens per unit of cost beat `beat` (a plain step's 1, or the best other arm's value);
         at most `room` tokens (a guess past the budget buys nothing)."""

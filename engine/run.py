@@ -250,7 +250,8 @@ def run(args) -> dict:
     ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
     if not Path(ckpt).is_dir():
         raise ValueError(f"checkpoint {ckpt} is not a directory (convert a GGUF with `python -m tools.convert convert`)")
-    context = load_config(ckpt).max_seq_len     # validated before any weight is read
+    config = load_config(ckpt)                  # validated before any weight is read
+    context = config.max_seq_len
     tok = Tokenizer.load(ckpt)
     text = read_prompt(args)
     if not text.strip():
@@ -261,7 +262,8 @@ def run(args) -> dict:
         prompt = tok.encode_chat([{"role": "user", "content": text}])
     if len(prompt) + args.max_new_tokens > context:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
-                         f" exceeds the model's context ({context})")
+                         f" exceeds the model's context ({context}"
+                         + (", capped at its sliding window)" if config.sliding_window else ")"))
     bound_knobs(args, args.max_new_tokens, context)
     args.cost_table = load_table(args.cost_table) if args.cost_table else None
     model = load(ckpt, args)

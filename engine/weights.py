@@ -35,6 +35,13 @@ NAME_MAP = {
     "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w13.weight",
     "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w13.weight",
     "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.feed_forward.w2.weight",
+    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.attention.wqkv.bias",   # attention_bias
+    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attention.wqkv.bias",
+    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attention.wqkv.bias",
+    "model.layers.{i}.self_attn.o_proj.bias": "layers.{i}.attention.wo.bias",
+    "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.feed_forward.w13.bias",      # mlp_bias
+    "model.layers.{i}.mlp.up_proj.bias": "layers.{i}.feed_forward.w13.bias",
+    "model.layers.{i}.mlp.down_proj.bias": "layers.{i}.feed_forward.w2.bias",
     "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
     "model.norm.weight": "norm.weight",
@@ -69,8 +76,15 @@ MAX_COUNT = 2**31 - 1   # int32 indexing; the real bound is memory, checked by w
 
 
 def config_from_hf(d: dict) -> LlamaConfig:
-    """From the dict of an HF `config.json` (LlamaForCausalLM); a wrong value is a
-    ValueError naming its field. null counts as absent for the optional fields."""
+    """From the dict of an HF `config.json` (LlamaForCausalLM or MistralForCausalLM); a wrong
+    value is a ValueError naming its field. null counts as absent for the optional fields.
+
+    Mistral is Llama plus a sliding window: key j is visible to query i iff i - j < window. Below
+    the window that is causal attention, so a window smaller than max_position_embeddings caps
+    the usable context (max_seq_len) at the window; a longer run is then refused by the context
+    check like any other (a refusal, never a silently wrong answer), and sliding_window is kept
+    in the config so the message can say why.
+    """
     if not isinstance(d, dict):
         raise ValueError(f"expected a JSON object, got {type(d).__name__}")
     get = lambda k, default=None: default if d.get(k) is None else d[k]
@@ -90,25 +104,36 @@ def config_from_hf(d: dict) -> LlamaConfig:
             raise ValueError(f"{k} must be a number in ({lo}, {hi}), got {v!r}")
         return float(v)
 
+    def flag(k):
+        v = get(k, False)
+        if not isinstance(v, bool):
+            raise ValueError(f"{k} must be true or false, got {v!r}")
+        return v
+
     C, H = count("hidden_size"), count("num_attention_heads")
-    head_dim = count("head_dim", max(C // H, 1))
+    head_dim = count("head_dim", max(C // H, 1))    # H x head_dim may differ from C (explicit)
     Hkv = count("num_key_value_heads", H)
-    if head_dim * H != C:
-        raise ValueError(f"head_dim {head_dim} x num_attention_heads {H} != hidden_size {C}")
     if head_dim % 2 or H % Hkv:   # RoPE rotates halves; each kv head serves H/Hkv query heads
         raise ValueError(f"need an even head_dim ({head_dim}) and num_key_value_heads ({Hkv}) "
                          f"dividing num_attention_heads ({H})")
     if get("hidden_act", "silu") != "silu":   # the MLP is SwiGLU: another activation would be ignored
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-    theta, scaling = rope_from_hf(d, head_dim, count("max_position_embeddings", 2048))
-    tie = get("tie_word_embeddings", False)
-    if not isinstance(tie, bool):
-        raise ValueError(f"tie_word_embeddings must be true or false, got {tie!r}")
+    context = count("max_position_embeddings", 2048)
+    theta, scaling = rope_from_hf(d, head_dim, context)
+    window = None
+    if d.get("model_type") == "mistral":
+        for k in ("attention_bias", "mlp_bias"):   # HF's Mistral has no biases, whatever it says
+            if flag(k):
+                raise ValueError(f"{k} is true, but a Mistral has no biases")
+        window = count("sliding_window", context)
+        window = window if window < context else None
     return LlamaConfig(
         dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
         hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"),
         norm_eps=real("rms_norm_eps", 1e-5, 0, 1), rope_theta=theta,
-        max_seq_len=count("max_position_embeddings", 2048), tie_embeddings=tie, rope_scaling=scaling)
+        max_seq_len=min(context, window or context), tie_embeddings=flag("tie_word_embeddings"),
+        rope_scaling=scaling, head_dim=head_dim, attention_bias=flag("attention_bias"),
+        mlp_bias=flag("mlp_bias"), sliding_window=window)
 
 
 # what each rope_type reads besides rope_type and rope_theta (HF's Llama, transformers 4 and 5)
@@ -175,8 +200,8 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
     d = read_json(path)
     if not isinstance(d, dict):
         raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}")
-    if d.get("model_type") != "llama":
-        raise ValueError(f"{path}: model_type {d.get('model_type')!r}, only 'llama' loads")
+    if d.get("model_type") not in ("llama", "mistral"):
+        raise ValueError(f"{path}: model_type {d.get('model_type')!r}, only 'llama' and 'mistral' load")
     try:
         return config_from_hf(d)
     except ValueError as e:
@@ -193,9 +218,9 @@ def read_json(path: Path):
 
 def parameter_count(c: LlamaConfig) -> int:
     """Parameters of a Llama with config c: embeddings, head unless tied, L blocks, final norm."""
-    D = c.head_dim
-    block = c.dim * (c.n_heads + 2 * c.n_kv_heads) * D + c.n_heads * D * c.dim \
-        + 3 * c.dim * c.hidden_dim + 2 * c.dim
+    D, qkv = c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
+    block = c.dim * qkv + c.n_heads * D * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim \
+        + (qkv + c.dim) * c.attention_bias + (2 * c.hidden_dim + c.dim) * c.mlp_bias
     return c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.n_layers * block + c.dim
 
 

@@ -9,15 +9,22 @@ skips.
 import dataclasses
 import json
 import math
+import shutil
 
 import pytest
 import torch
+from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from conftest import run
 from engine import llama, weights
 from engine.decoders import DECODERS
-from engine.generate import plain
+from engine.generate import generate, plain
+from engine.kvcache import KVCache
 from engine.llama import frequencies, rope
+from engine.packed import prepack, quantize_int4
+from engine.run import main
+from engine.sampling import Random, Sampler
+from engine.tokenizer import Tokenizer
 from engine.weights import load_config, load_model
 
 transformers = pytest.importorskip("transformers")
@@ -33,6 +40,12 @@ VARIANTS = {
     "linear": {"rope_parameters": {"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0}},
     "dynamic": {"rope_parameters": {"rope_type": "dynamic", "rope_theta": 10000.0, "factor": 2.0},
                 "max_position_embeddings": 96},
+    "head_dim 32 (H x D != C)": {"head_dim": 32},
+    "biases": {"attention_bias": True, "mlp_bias": True},
+    "tied": {"tie_word_embeddings": True},
+    "mistral, no window": {"model_type": "mistral", "sliding_window": None},
+    "mistral, window = context": {"model_type": "mistral", "sliding_window": 256},
+    "mistral, window 40": {"model_type": "mistral", "sliding_window": 40},   # caps the context
 }
 
 
@@ -42,13 +55,17 @@ def hf_model(name: str, seed: int = 0):
     kw = dict(vocab_size=V, hidden_size=C, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               bos_token_id=None, eos_token_id=None, pad_token_id=None) | VARIANTS[name]
-    model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw)).eval()
+    if kw.pop("model_type", "llama") == "mistral":
+        model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw))
+    else:
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
+    model.eval()
     g = torch.Generator().manual_seed(seed)
     with torch.no_grad():   # HF's init (std 0.02) makes attention near-uniform and RoPE nearly
         for n, p in sorted(model.named_parameters()):   # invisible: draw every weight at 1/sqrt(fan_in)
             if n.endswith("norm.weight"):
                 p.copy_(1 + 0.1 * torch.randn(p.shape, generator=g))
-            elif n.endswith("bias"):
+            elif n.endswith("bias"):                   # biases large enough to matter
                 p.copy_(0.5 * torch.randn(p.shape, generator=g))
             else:
                 p.copy_(torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5)
@@ -144,8 +161,9 @@ LOGIT_ATOL = 1e-4
 @pytest.mark.parametrize("name", list(VARIANTS) + ["llama3 old spelling"])
 def test_logits_equal_hf_within_fp32_rounding(checkpoints, name):
     hf, path = checkpoints[name]
-    tokens = PROMPT * 6                                                # 60 positions
-    ours = load_model(path)(torch.tensor([tokens]), torch.arange(len(tokens)))
+    model = load_model(path)
+    tokens = (PROMPT * 6)[:model.config.max_seq_len]                  # 60 positions, or the window
+    ours = model(torch.tensor([tokens]), torch.arange(len(tokens)))
     torch.testing.assert_close(ours, hf_logits(hf, tokens), atol=LOGIT_ATOL, rtol=0)
 
 
@@ -180,17 +198,24 @@ def scale_positions_up(head_dim, theta, scaling, work, device=None):
     return f * scaling.factor ** 2 if scaling is not None and scaling.kind == "linear" else f
 
 
-ORIGINAL = {"rope_from_hf": weights.rope_from_hf, "frequencies": llama.frequencies}
+def stack_qkv_biases_backwards(name):
+    parts = ORIGINAL["sources"](name)          # (v, k, q): the same 128 rows, in the wrong places
+    return parts[::-1] if name.endswith("wqkv.bias") else parts
+
+
+ORIGINAL = {"rope_from_hf": weights.rope_from_hf, "frequencies": llama.frequencies,
+            "sources": weights.sources}
 MUTANTS = {   # name -> (module, function, fake, the variant it breaks)
     "rope_parameters ignored": (weights, "rope_from_hf", ignore_rope_parameters, "llama3"),
     "llama3 low/high swapped": (llama, "frequencies", swap_low_high, "llama3"),
     "linear multiplies by factor": (llama, "frequencies", scale_positions_up, "linear"),
+    "q/k/v biases stacked backwards": (weights, "sources", stack_qkv_biases_backwards, "biases"),
 }
 
 
 @pytest.mark.parametrize("mutant", MUTANTS)
 def test_hf_parity_catches_broken_variants(checkpoints, mutant, monkeypatch):
-    # Why: a parity test that a wrong RoPE also passes proves nothing
+    # Why: a parity test that a wrong RoPE or a misplaced bias also passes proves nothing
     module, name, fake, variant = MUTANTS[mutant]
     monkeypatch.setattr(module, name, fake)
     with pytest.raises(AssertionError):
@@ -221,3 +246,119 @@ def test_unsupported_variants_are_refused_by_name(checkpoints, tmp_path, edit, w
     (tmp_path / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(ValueError, match=words):
         load_config(tmp_path)
+
+
+# --------------------------------------------------------------------------- every decoder
+
+def decoded(name, model, prompt, n):
+    """Greedy tokens of decoder `name` with its default knobs; a second model is the target's
+    first layer (speculative's self-draft, contrastive's amateur at beta 0, where it is plain)."""
+    d = DECODERS[name]
+    second = () if d.second is None else (d.early_exit(1),)
+    steps = d.decode(model, *second, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=n,
+                     **({"beta": 0.0} if name == "contrastive" else {}))
+    return list(generate(steps, max_new_tokens=n))
+
+
+@pytest.mark.parametrize("decoder", [d for d in DECODERS if d != "plain"])
+@pytest.mark.parametrize("name", VARIANTS)
+def test_every_decoder_prints_plains_tokens_on_every_variant(checkpoints, name, decoder):
+    # Why: the decoders verify k rows per forward, with their own masks and positions; each
+    # variant's extra math (scaled RoPE, biases, a wide head) must not tell k rows from one.
+    # float64, as in conftest: a k-row and a one-row forward then cannot flip a near tie.
+    model = load_model(checkpoints[name][1], dtype=torch.float64)
+    prompt = PROMPT + PROMPT[:4]                                       # a repeat for the copiers
+    assert decoded(decoder, model, prompt, NEW) == decoded("plain", model, prompt, NEW)
+
+
+# --------------------------------------------------------------------------- the sliding window
+
+def test_a_sliding_window_below_the_context_caps_the_context(checkpoints):
+    # Why: past the window HF's Mistral stops attending to the first keys and causal attention
+    # does not, so the engine runs only where the two agree and refuses the rest
+    hf, path = checkpoints["mistral, window 40"]
+    cfg = load_config(path)
+    assert (cfg.max_seq_len, cfg.sliding_window) == (40, 40)
+    assert load_config(checkpoints["mistral, window = context"][1]).max_seq_len == 256
+    model, tokens = load_model(path), PROMPT * 5                      # 50 positions
+    ours = model(torch.tensor([tokens]), torch.arange(50))
+    assert (ours[:, 40:] - hf_logits(hf, tokens)[:, 40:]).abs().max() > 1e-2   # the cap is needed
+    with pytest.raises(ValueError, match=r"exceed the model's context \(40\)"):
+        KVCache.for_model(model, 41, scratch=0)
+
+
+# --------------------------------------------------------------------------- fast paths
+
+@pytest.mark.parametrize("name", ["biases", "head_dim 32 (H x D != C)"])
+def test_prepacked_and_int4_paths_run_the_variants(checkpoints, name):
+    # prepack and int4 swap only bias-free projections: a biased one stays nn.Linear (exact,
+    # unpacked), and a wide head's projections pack like any other
+    path = checkpoints[name][1]
+    tokens = torch.tensor([PROMPT])
+    want = load_model(path)(tokens, torch.arange(len(PROMPT)))
+    packed = prepack(load_model(path))
+    torch.testing.assert_close(packed(tokens, torch.arange(len(PROMPT))), want, atol=LOGIT_ATOL, rtol=0)
+    int4 = quantize_int4(load_model(path))
+    got = int4(tokens, torch.arange(len(PROMPT))).float()             # 4 bits of random weights:
+    assert torch.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.95   # near, not equal
+    biased = [m for m in int4.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
+    assert len(biased) == (8 if name == "biases" else 0)
+
+
+# --------------------------------------------------------------------------- the CLI
+
+TEXT = "abcabcabdefdef"
+
+
+def cli_checkpoint(checkpoints, name, tmp_path, edit=None):
+    """A copy of variant `name` with a byte-level tokenizer (V=128 symbols, no merges) beside it."""
+    d = shutil.copytree(checkpoints[name][1], tmp_path / "ckpt")
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())[:V]        # '!'..'~' and then some
+    tok = HFTokenizer(models.BPE(vocab={c: i for i, c in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.save(str(d / "tokenizer.json"))
+    if edit is not None:
+        saved_cfg = json.loads((d / "config.json").read_text())
+        edit(saved_cfg)
+        (d / "config.json").write_text(json.dumps(saved_cfg))
+    return d
+
+
+def test_cli_prints_hf_greedy_tokens_for_a_transformers5_llama3_checkpoint(checkpoints, tmp_path, capsys):
+    # the checkpoint that printed other tokens than HF before rope_parameters was read
+    d = cli_checkpoint(checkpoints, "llama3", tmp_path)
+    prompt = Tokenizer.load(d).encode(TEXT)
+    argv = ["--checkpoint", str(d), "--raw", "--prompt", TEXT, "--decoder", "plain",
+            "--temperature", "0", "--max-new-tokens", "16", "--json"]
+    assert main(argv) == 0
+    assert json.loads(capsys.readouterr().out)["tokens"] == hf_greedy(checkpoints["llama3"][0], prompt, 16)
+
+
+@pytest.mark.parametrize("name, edit, argv, words", [
+    ("llama3", lambda c: c["rope_parameters"].update(rope_type="yarn"), [], "rope_type 'yarn'"),
+    ("llama3", lambda c: c.update(model_type="qwen2"), [], "model_type 'qwen2'"),
+    ("mistral, window 40", None, ["--max-new-tokens", "40"], "sliding window"),
+])
+def test_cli_refuses_unsupported_variants_in_one_line(checkpoints, tmp_path, capsys, name, edit, argv, words):
+    d = cli_checkpoint(checkpoints, name, tmp_path, edit)
+    assert main(["--checkpoint", str(d), "--raw", "--prompt", TEXT, "--decoder", "plain"] + argv) == 2
+    out, err = capsys.readouterr()
+    assert out == "" and err.startswith("error: ") and words in err and len(err.splitlines()) == 1, err
+
+
+# --------------------------------------------------------------------------- the config
+
+@pytest.mark.parametrize("name", VARIANTS)
+def test_parameter_count_counts_every_variant_weight(checkpoints, name):
+    # check_plausible refuses a checkpoint by this count before allocating: it must be exact
+    model = load_model(checkpoints[name][1])
+    assert weights.parameter_count(model.config) == sum(p.numel() for p in model.parameters())
+
+
+def test_configs_stay_frozen_and_hashable(checkpoints):
+    # decoders and caches key on the config; a mutable field would make it unhashable
+    cfg = load_config(checkpoints["llama3"][1])
+    assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg.head_dim == C // 4
+    with pytest.raises(dataclasses.FrozenInstanceError):
+        cfg.rope_scaling.factor = 2.0

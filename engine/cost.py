@@ -40,6 +40,10 @@ SLOPE = {          # (matmul kind, torch's CPU dispatch) -> extra cost of each r
     ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows
 }
 UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
+DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
+    ("Int4Linear", "AVX512"): 0.50,     # the target's weights in 4 bits, Zen 4 (SmolLM2-135M)
+    ("Int4Linear", "AVX2"): 0.65,       # the same on an AVX2-only EPYC
+}
 
 
 def row_cost(model: Llama, table: dict[int, float] | None = None) -> Callable[[int], float]:
@@ -67,11 +71,21 @@ def interpolate(table: dict[int, float], k: int) -> float:
 
 def load_table(path: str | Path) -> dict[int, float]:
     """The k -> cost(k)/cost(1) ratios of a `tools.bench --forward-cost` JSON (its first model)."""
+    return table_from(read_json(path), path)
+
+
+def read_json(path: str | Path):
     try:
-        d = json.loads(Path(path).read_text())
+        return json.loads(Path(path).read_text())
+    except (OSError, ValueError) as e:
+        raise ValueError(f"{path}: not a forward-cost JSON from tools.bench ({e})") from None
+
+
+def table_from(d, path: str | Path) -> dict[int, float]:
+    try:
         rows = next(iter(d["forward_cost"].values()))
         table = {int(k): float(r["ratio"]) for k, r in rows.items()}
-    except (OSError, ValueError, KeyError, TypeError, StopIteration, AttributeError) as e:
+    except (ValueError, KeyError, TypeError, StopIteration, AttributeError) as e:
         raise ValueError(f"{path}: not a forward-cost JSON from tools.bench ({e})") from None
     if 1 not in table or any(not 0 < v < 1e6 for v in table.values()):
         raise ValueError(f"{path}: the cost table needs k = 1 and positive ratios")
@@ -110,22 +124,67 @@ def measure(model: Llama, ks=(1, 2, 4, 8, 16, 32), context: int = 100, repeats: 
 def calibrated(model: Llama, folder: Path | None = None,
                notify: Callable[[str], None] | None = None) -> dict[int, float]:
     """This machine's table for this model: measured on first use, then read back, so every
-    later run (and the first one) prices its choices alike and prints the same tokens.
+    later run (and the first one) prices its choices alike and prints the same tokens."""
+    def table() -> dict:
+        return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in measure(model).items()}}}
+    data, path = kept(model_key(model), table, folder, notify)
+    return table_from(data, path)
 
-    Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), keyed by CPU, kernel dispatch, threads,
-    torch, device, dtype, matmul kind and model shape; the first writer wins a race, and
-    every process uses the file as written. Delete it to measure again. `notify` hears one
-    line when this call measured, so a CLI can say where the table went.
+
+def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
+                notify: Callable[[str], None] | None = None) -> float:
+    """One draft token's cost in one-row target forwards on this machine, kept like the table."""
+    data, path = kept(f"draft|{model_key(target)}|{model_key(draft)}",
+                      lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify)
+    c = data.get("draft_cost") if isinstance(data, dict) else None
+    if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.01 <= c <= 100:
+        raise ValueError(f"{path}: draft_cost must be a number in [0.01, 100], got {c!r}")
+    return float(c)
+
+
+def measure_draft(target: Llama, draft: Llama, context: int = 100, repeats: int = 5) -> float:
+    """t(draft, 1 row) / t(target, 1 row), each the fastest of `repeats` forwards, interleaved
+    so that a busy spell weighs on both alike."""
+    best = {}
+    for _ in range(repeats):
+        for name, m in (("t", target), ("d", draft)):
+            best[name] = min(best.get(name, math.inf), one_row_seconds(m, context))
+    return min(max(best["d"] / best["t"], 0.01), 100.0)
+
+
+def one_row_seconds(model: Llama, context: int) -> float:
+    device = model.tok_embeddings.weight.device
+    cache = KVCache.for_model(model, context + 1)
+    model(torch.zeros(1, context, dtype=torch.long, device=device), torch.arange(context, device=device), cache)
+    t0 = time.perf_counter()
+    model(torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([context], device=device), cache)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
+def model_key(model: Llama) -> str:
+    """What a measured price depends on: CPU, kernel dispatch, threads, torch, device, dtype,
+    matmul kind and model shape."""
+    w = model.tok_embeddings.weight
+    return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
+                              torch.__version__, w.device, w.dtype,
+                              type(model.layers[0].feed_forward.w13).__name__, model.config)))
+
+
+def kept(key: str, measure: Callable[[], dict], folder: Path | None,
+         notify: Callable[[str], None] | None) -> tuple[dict, Path]:
+    """(measure()'s JSON object, where it is kept): measured once per key on this machine, then
+    read back by every later run.
+
+    Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), named by a hash of the key; the first
+    writer wins a race, and every process uses the file as written. Delete it to measure
+    again. `notify` hears one line when this call measured, so a CLI can say where it went.
     """
-    w, c = model.tok_embeddings.weight, model.config
-    key = "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                             torch.__version__, w.device, w.dtype,
-                             type(model.layers[0].feed_forward.w13).__name__, c)))
     folder = folder or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "engine"
     path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if not path.is_file():                             # ~2 s, once per machine and model
-        data = json.dumps({"key": key, "forward_cost": {"engine": {
-            str(k): {"ratio": r} for k, r in measure(model).items()}}}).encode()
+        data = json.dumps({"key": key, **measure()}).encode()
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
@@ -134,14 +193,14 @@ def calibrated(model: Llama, folder: Path | None = None,
                 os.link(tmp, path)                     # subtle: fails if another process won
                 if notify:
                     # subtle: a busy spell makes every k-row forward look dear, for good
-                    notify(f"measured this machine's k-row forward costs into {path}; every later "
+                    notify(f"measured this machine's forward costs into {path}; every later "
                            "run reads them back (delete it to measure again, on an idle machine)")
             except FileExistsError:
                 pass
             tmp.unlink()
         except OSError:                                # a read-only home: measured, not kept
-            return {int(k): v["ratio"] for k, v in json.loads(data)["forward_cost"]["engine"].items()}
-    return load_table(path)
+            return json.loads(data), path
+    return read_json(path), path
 
 
 def cpu_name() -> str:

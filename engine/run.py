@@ -26,11 +26,13 @@ from pathlib import Path
 
 import torch
 
-from engine.cost import calibrated, load_table
+from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
+from engine.draft import resident_bytes
 from engine.generate import Stats, generate
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
+from engine.speculative import SelfDraft, pays
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.trace import Tracer, traced
 from engine.weights import DTYPES, default_checkpoint, load_config, load_model
@@ -50,7 +52,9 @@ STATS_HELP = """the stats line (stderr; the same fields in --json):
   target forwards   forwards of the model that decides (contrastive: the expert), prefill
                     included: one per step
   draft forwards    forwards of the second model: speculative's draft (K a step),
-                    contrastive's amateur (K+1 a step); with layers:L only layers < L + head
+                    contrastive's amateur (K+1 a step); with layers:L only layers < L + head;
+                    then which model it is (--draft auto names its choice) and the memory
+                    it adds (an early exit shares the target's weights: none)
   tok/forward       tokens / target forwards
   acceptance        accepted / drafted. drafted: tokens the target verified, proposed by
                     speculative's draft, lookahead's n-gram guesses (trie rows) or lookup's
@@ -61,7 +65,8 @@ STATS_HELP = """the stats line (stderr; the same fields in --json):
                     verified at least one (adaptive K = 0 steps verify none)
   tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
   --json keys: n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted, accepted,
-  acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps})
+  acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), and draft/draft_mb
+  (speculative) or amateur/amateur_mb (contrastive)
 --trace prints each step on stderr: plain its token; lookahead the window (levels x columns,
 with positions), the mask when its shape changes, the arm, the guesses and what was accepted
 from which; speculative each draft's p(x), q(x), u and verdict; contrastive the expert's
@@ -105,10 +110,15 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--guesses", type=int, help="G, candidate n-grams verified per step")
     g.add_argument("--trim-layers", type=int, default=0, help="freeze window rows in the last m layers")
     g = p.add_argument_group("speculative")
-    g.add_argument("--draft", default=f"layers:{SELF_DRAFT_LAYERS}",
-                   help="draft checkpoint dir, or layers:L: the target's first L layers (default %(default)s)")
+    g.add_argument("--draft", default="auto",
+                   help="int4: the target's weights in 4 bits; layers:L: the target's first L layers; a "
+                        f"checkpoint dir; auto (default): int4 where the cost model says it pays, else layers:{SELF_DRAFT_LAYERS}")
+    g.add_argument("--draft-cost", type=float,
+                   help="one draft token's cost in one-row target forwards, for --adaptive (default: "
+                        "measured once on this machine beside the cost table)")
     g.add_argument("--num-draft", type=int,
-                   help="K draft tokens per step (default 4; with --adaptive, the K it starts from: 1)")
+                   help="K draft tokens per step (default 4; with --adaptive, the K it starts from, "
+                        "by default the best K at the draft's prior acceptance and price)")
     g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="choose K per step (0 = a plain step) from the acceptance seen and the cost model; "
                         "lookup: cut each copy to the length that pays (default on)")
@@ -128,18 +138,49 @@ def parser() -> argparse.ArgumentParser:
     return p
 
 
-def models(args) -> tuple:
-    """The second model a decoder needs: a checkpoint dir, or `layers:L` of the target itself."""
+def models(args, ckpt) -> tuple:
+    """The second model a decoder needs: a checkpoint dir, `layers:L` of the target itself, or
+    (--draft) `int4`, the target's checkpoint loaded again in 4 bits, or `auto`."""
     d = DECODERS[args.decoder]
     if d.second is None:
         return ()
     spec = getattr(args, d.second)
+    if d.second == "draft" and spec in ("int4", "auto"):
+        fallback = (d.early_exit(min(SELF_DRAFT_LAYERS, max(load_config(ckpt).n_layers - 1, 1))),)
+        if args.int4 or args.device != "cpu":
+            if spec == "auto":
+                return fallback
+            raise ValueError("--draft int4 drafts for a target on the CPU that is not 4-bit itself"
+                             + (" (drop --int4)" if args.int4 else ""))
+        try:
+            return (load(ckpt, argparse.Namespace(**{**vars(args), "int4": True})),)
+        except ValueError as e:       # shapes that do not pack in groups of 32
+            if spec == "auto":
+                return fallback
+            raise ValueError(f"--draft int4: {e}") from None
     if not spec.startswith("layers:"):
         return (load(spec, args),)
     L = spec.split(":", 1)[1]
     if not L.isdigit():
         raise ValueError(f"{spec!r}: expected layers:L with L an integer")
     return (d.early_exit(int(L)),)
+
+
+def pick_draft(args, target, drafts: tuple, notes: list) -> tuple:
+    """--draft auto: the 4-bit draft where the cost model prices it above the self-draft at their
+    priors (engine/speculative.py `pays`), else the self-draft; --draft-cost measured for int4."""
+    if DECODERS[args.decoder].second != "draft" or not drafts or isinstance(drafts[0], SelfDraft):
+        return drafts
+    if args.draft not in ("int4", "auto") or not args.adaptive:
+        return drafts
+    if args.draft_cost is None:
+        args.draft_cost = draft_price(target, drafts[0], notify=notes.append)
+    if args.draft == "auto":
+        self_draft = SelfDraft(min(SELF_DRAFT_LAYERS, max(target.config.n_layers - 1, 1)))
+        if pays(target, self_draft, args.cost_table) >= pays(target, drafts[0], args.cost_table, args.draft_cost):
+            args.draft_cost = None
+            return (self_draft,)
+    return drafts
 
 
 def load(ckpt, args):
@@ -162,6 +203,8 @@ def check_flags(args) -> None:
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
+    if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
+        raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     for flag in ("checkpoint", "draft", "amateur"):
@@ -267,10 +310,11 @@ def run(args) -> dict:
     bound_knobs(args, args.max_new_tokens, context)
     args.cost_table = load_table(args.cost_table) if args.cost_table else None
     model = load(ckpt, args)
-    second, notes = models(args), []          # a bad --draft or --amateur fails before measuring
+    second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
     if args.cost_table is None and "cost_table" in DECODERS[args.decoder].knobs:
         # this machine's costs, measured once, then read back; a note after the answer says where
         args.cost_table = calibrated(model, notify=notes.append)
+    second = pick_draft(args, model, second, notes)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     d = DECODERS[args.decoder]
     steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=args.trace,
@@ -306,7 +350,19 @@ def run(args) -> dict:
             "draft_forwards": stats.draft_forwards, "drafted": stats.drafted, "accepted": stats.accepted,
             "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
-            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes}
+            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
+            **second_model(args, second)}
+
+
+def second_model(args, second: tuple) -> dict:
+    """What the second model is ("draft": "int4", "layers:20", a path) and the memory it adds."""
+    d = DECODERS[args.decoder].second
+    if d is None:
+        return {}
+    m = second[0]
+    name = f"layers:{m.layers if isinstance(m, SelfDraft) else m}" if not isinstance(m, torch.nn.Module) \
+        else "int4" if getattr(args, d) in ("int4", "auto") else getattr(args, d)
+    return {d: name, f"{d}_mb": 0.0 if name.startswith("layers:") else round(resident_bytes(m) / 2**20, 1)}
 
 
 def before_stop(text: str, stops: list[str], final: bool = True) -> str:
@@ -371,6 +427,9 @@ def stats_line(r: dict) -> str:
     """The stderr stats line; every field is defined in STATS_HELP (--help)."""
     hist = " ".join(f"{k}x{v}" for k, v in r["step_lengths"].items())
     draft = f" | {r['draft_forwards']} draft forwards" if r["draft_forwards"] else ""
+    if "draft" in r:   # which draft (--draft auto chose one), and the memory it adds
+        mb = f", +{r['draft_mb']:.0f} MB" if r["draft_mb"] else ""
+        draft = f" | {r['draft_forwards']} draft forwards ({r['draft']}{mb})"
     acc = "" if r["acceptance"] is None else (
         f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"
         + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))

@@ -6,8 +6,10 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   target keeps drafts while its own inverse-CDF draw from that uniform agrees: the output is
   plain sampling's with the same seed, token for token, whatever the draft; it accepts less
   often than rejection sampling (`verify_match` says how much).
-The draft is another Llama with the target's vocab, or `SelfDraft(L)`: the target's layers [0, L)
-+ its norm and head (an early exit), sharing the target's weights and KV cache (engine/draft.py).
+The draft is another Llama with the target's vocab (such as `draft.int4_copy(target)`, the
+target's own weights in 4 bits), or `SelfDraft(L)`: the target's layers [0, L) + its norm and
+head (an early exit), sharing the target's weights and KV cache (engine/draft.py). Either way
+the target decides every token: the output is the target's, however good the draft.
 But: batch size 1, one chain of drafts (no trees), no drafts with another tokenizer.
 """
 from __future__ import annotations
@@ -17,7 +19,7 @@ from typing import Callable, Iterator
 
 import torch
 
-from engine.cost import layer_share, row_cost
+from engine.cost import DRAFT_COST, layer_share, row_cost
 from engine.draft import draft_then_verify, pair_for
 from engine.generate import Step
 from engine.llama import Llama
@@ -57,10 +59,10 @@ class Tuner:
     """
 
     def __init__(self, k: int, max_k: int, c_draft: float, c_verify: Callable[[int], float],
-                 probe: int = 32):
+                 prior: float = 0.5, probe: int = 32):
         self.k, self.max_k, self.decay = k, max_k, 0.9     # forget a step's weight in ~10 steps
         self.c_draft, self.c_verify = c_draft, c_verify
-        self.accepted, self.trials = 1.0, 2.0              # prior alpha = 1/2, forgotten like the rest
+        self.accepted, self.trials = 2 * prior, 2.0        # prior alpha, worth 2 trials, forgotten like the rest
         self.first_probe = self.probe = probe
         self.idle = 0                                      # plain steps since the last measurement
 
@@ -83,21 +85,42 @@ class Tuner:
             self.k, self.probe = 1, min(2 * self.probe, 8 * self.first_probe)
 
 
-def costs(target: Llama, draft: Llama | SelfDraft, cost_table=None) -> tuple[float, Callable[[int], float]]:
-    """(cost of one draft token, K -> cost of the verifying forward), one-row target forward = 1."""
+def costs(target: Llama, draft: Llama | SelfDraft, cost_table=None,
+          draft_cost: float | None = None) -> tuple[float, Callable[[int], float], float]:
+    """(cost of one draft token, K -> cost of the verifying forward, prior alpha), in units of a
+    one-row target forward. `draft_cost` is a measured price (engine.cost.draft_price); without
+    it a draft of the target's own shapes in 4 bits costs DRAFT_COST by CPU dispatch, another
+    one its share of the target's parameters.
+
+    The prior: a self-draft or a foreign draft 1/2; a copy of the target in fewer bits 0.9
+    (its 4-bit copy: 4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md).
+    """
     rows = row_cost(target, cost_table)
     if isinstance(draft, SelfDraft):       # layers < L: 1 row per draft; the rest on K+1 rows
         lower = layer_share(target, draft.layers)
         head = 1 - layer_share(target, target.config.n_layers)
-        return lower + head, lambda k: lower + (1 - lower) * rows(k + 1)
-    size = lambda m: sum(p.numel() for p in m.parameters())
-    return size(draft) / size(target), lambda k: rows(k + 1)
+        return lower + head, lambda k: lower + (1 - lower) * rows(k + 1), 0.5
+    kind = type(draft.layers[0].feed_forward.w13).__name__
+    copy = draft.config == target.config and kind == "Int4Linear"
+    if draft_cost is None:
+        size = lambda m: sum(p.numel() for p in m.parameters())
+        draft_cost = DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6) \
+            if copy else size(draft) / size(target)
+    return draft_cost, lambda k: rows(k + 1), 0.9 if copy else 0.5
+
+
+def pays(target: Llama, draft: Llama | SelfDraft, cost_table=None, draft_cost: float | None = None) -> float:
+    """Tokens per unit of cost at the draft's prior alpha and its best K (1.0: plain's pace),
+    what `--draft auto` compares drafts by."""
+    c_draft, c_verify, prior = costs(target, draft, cost_table, draft_cost)
+    k = best_k(prior, c_draft, c_verify, 16)
+    return sum(prior ** i for i in range(k + 1)) / (k * c_draft + c_verify(k) if k else 1.0)
 
 
 def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, num_draft: int | None = None, verify: str = "rejection",
-           adaptive: bool = False, max_draft: int = 16,
-           cost_table: dict[int, float] | None = None, trace: bool = False) -> Iterator[Step]:
+           adaptive: bool = False, max_draft: int = 16, cost_table: dict[int, float] | None = None,
+           draft_cost: float | None = None, trace: bool = False) -> Iterator[Step]:
     """Speculative decoding; one Step per target forward (the first one also eats the prompt).
 
         n = len(x); K = min(K, tokens left - 1)
@@ -122,9 +145,9 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         raise ValueError(f"self-draft layers must be in [1, {L}], got {draft.layers}")
     # a step never drafts past the budget, so K beyond it would only size the cache
     num_draft, max_draft = min(num_draft, max_new_tokens), min(max_draft, max(max_new_tokens, 1))
-    price = costs(target, draft, cost_table) if adaptive else None
-    if adaptive and given is None:     # start where the prior (alpha = 1/2) and the costs say:
-        num_draft = best_k(0.5, *price, max_draft)     # K = 0 for a draft that costs most of a forward
+    price = costs(target, draft, cost_table, draft_cost) if adaptive else None   # c_draft, c_verify, prior
+    if adaptive and given is None:     # start where the prior and the costs say: K = 0 for a
+        num_draft = best_k(price[2], *price[:2], max_draft)   # draft that costs most of a forward
     scratch = max(num_draft, max_draft if adaptive else 0) + 1
     capacity = len(prompt) + max_new_tokens + scratch
     pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft, capacity, scratch)

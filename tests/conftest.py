@@ -22,9 +22,10 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
 
 def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = False,
-               scale: float = 1.0) -> Llama:
-    """A random float64 Llama (C=32, H=4, Hkv=2, F=48) whose every weight is drawn from `seed`."""
-    cfg = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=48,
+               scale: float = 1.0, hidden: int = 48) -> Llama:
+    """A random float64 Llama (C=32, H=4, Hkv=2, F=48) whose every weight is drawn from `seed`;
+    hidden=64 gives layer shapes that pack in 4-bit groups of 32 (engine.draft.int4_copy)."""
+    cfg = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=hidden,
                       vocab_size=vocab, rope_theta=10000.0, tie_embeddings=tie)
     model = Llama(cfg).double()
     g = torch.Generator().manual_seed(seed)

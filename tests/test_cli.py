@@ -22,6 +22,8 @@ real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
     (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
     (["--stop", "", "--prompt", "hi"], "--stop"),
     (["--int4", "--prompt", "hi"], "bfloat16"),
+    (["--draft-cost", "0", "--prompt", "hi"], "--draft-cost"),
+    (["--draft-cost", "nan", "--prompt", "hi"], "--draft-cost"),
 ])
 def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     with pytest.raises(SystemExit) as e:
@@ -41,6 +43,8 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
     (["--decoder", "lookahead", "--trim-layers", "-1", "--prompt", "hi"], "trim_layers"),
     (["--decoder", "contrastive", "--beta", "-1", "--prompt", "hi"], "beta"),
     (["--decoder", "lookahead", "--cost-table", "/nonexistent.json", "--prompt", "hi"], "forward-cost"),
+    (["--decoder", "speculative", "--draft", "int4", "--int4", "--dtype", "bfloat16", "--prompt", "hi"],
+     "not 4-bit itself"),
 ])
 def test_bad_input_on_the_real_checkpoint_is_one_line_and_exit_2(argv, words, capsys):
     # refused before the first token: no half answer on stdout ahead of the error
@@ -80,6 +84,8 @@ GREEDY_DECODERS = {
     "lookahead": ["--decoder", "lookahead"],
     "lookahead trimmed": ["--decoder", "lookahead", "--trim-layers", "2"],
     "speculative": ["--decoder", "speculative"],
+    "speculative int4 draft": ["--decoder", "speculative", "--draft", "int4"],
+    "speculative self-draft": ["--decoder", "speculative", "--draft", "layers:20"],
     "speculative coupled": ["--decoder", "speculative", "--verify", "coupled", "--adaptive"],
     "contrastive beta=0": ["--decoder", "contrastive", "--beta", "0"],
 }
@@ -93,6 +99,32 @@ def test_greedy_decoders_print_what_plain_prints(name, capsys):
     plain = run_json(argv + ["--decoder", "plain"], capsys)
     other = run_json(argv + GREEDY_DECODERS[name], capsys)
     assert other["tokens"] == plain["tokens"] and other["text"] == plain["text"]
+
+
+@real
+@pytest.mark.parametrize("verify", ["coupled", "rejection"])
+def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
+    # Why: --draft int4 drafts in 4 bits, but the fp32 target decides every token: coupled
+    # verification prints plain sampling's tokens for the seed; rejection keeps plain's law
+    # (test_proofs), and one command prints the same tokens every run.
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "5"]
+    plain = run_json(argv, capsys)
+    runs = [run_json(argv + ["--decoder", "speculative", "--draft", "int4", "--verify", verify], capsys)
+            for _ in range(2)]
+    assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["draft"] == "int4"
+    assert runs[0]["draft_forwards"] > 0 and runs[0]["draft_mb"] > 50     # it drafted, and says its size
+    if verify == "coupled":
+        assert runs[0]["tokens"] == plain["tokens"]
+
+
+@real
+@pytest.mark.parametrize("price,want", [("0.05", "int4"), ("50", "layers:20")])
+def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, capsys):
+    # Why: the default draft is a choice; the stats say which was taken, and it is the one
+    # `speculative.pays` ranks first (a 4-bit draft at 0.05 of a forward wins, at 50 loses).
+    out = run_json(["--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative",
+                    "--draft-cost", price], capsys)
+    assert out["draft"] == want and (out["draft_mb"] > 0) == (want == "int4")
 
 
 @real
@@ -172,7 +204,7 @@ def test_a_self_draft_shows_its_draft_forwards(capsys):
     assert main(argv) == 0
     err = capsys.readouterr().err
     assert "reject  (u >= p/q)" in err and "#3 @40 speculative" in err
-    assert "| 4 target forwards | 6 draft forwards |" in err   # K = 3, 2, 1, 0: none past the budget
+    assert "| 4 target forwards | 6 draft forwards (layers:8) |" in err   # K = 3, 2, 1, 0: none past the budget
 
 
 def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():

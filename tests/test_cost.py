@@ -145,3 +145,22 @@ def test_a_lost_race_to_write_the_table_uses_the_winners(tmp_path, monkeypatch):
     path.rename(tmp_path / "kept")
     monkeypatch.setattr(cost, "measure", lambda m: ((tmp_path / "kept").rename(path), {1: 1.0, 8: 9.0})[1])
     assert cost.calibrated(model, tmp_path) == winner   # it measured, lost the race, read the file
+
+
+def test_a_draft_price_is_measured_once_and_read_back(tmp_path, monkeypatch):
+    # Why: --draft int4's K is priced with this machine's draft/target ratio; like the table, it
+    # is measured once and kept, so two runs of one command price alike and print alike.
+    from engine.draft import int4_copy
+    target = tiny_llama(0, hidden=64)
+    draft = int4_copy(target)
+    heard = []
+    first = cost.draft_price(target, draft, tmp_path, heard.append)
+    assert 0.01 <= first <= 100 and len(heard) == 1
+    monkeypatch.setattr(cost, "measure_draft", lambda t, d: 42.0)    # a second measurement's answer
+    assert cost.draft_price(target, draft, tmp_path, heard.append) == first and len(heard) == 1
+    assert cost.draft_price(target, draft, tmp_path / "elsewhere") == 42.0   # a new place measures
+    # a kept file that lies about the price is one error naming it, not a silent price
+    path = next(p for p in tmp_path.iterdir() if p.is_file())
+    path.write_text('{"draft_cost": 0}')
+    with pytest.raises(ValueError, match=path.name):
+        cost.draft_price(target, draft, tmp_path)

@@ -11,6 +11,7 @@ import torch
 
 from conftest import tiny_llama
 from engine import contrastive, lookahead, lookup, speculative
+from engine.draft import int4_copy
 from engine.generate import plain
 from engine.sampling import Sampler
 from exact_law import decoder_law, llama_next_probs, max_gap, reference_law
@@ -18,6 +19,10 @@ from exact_law import decoder_law, llama_next_probs, max_gap, reference_law
 V, TOL, PROMPT = 4, 1e-12, [1, 3, 0]
 TARGET = tiny_llama(5, vocab=V, n_layers=3, scale=1.5)
 DRAFT = tiny_llama(6, vocab=V, n_layers=1, scale=1.5)
+# a target whose layers pack in 4 bits, and its own weights in 4 bits as the draft (bf16, so
+# its law q is near p but not equal: every branch of the verification is walked)
+Q_TARGET = tiny_llama(7, vocab=V, n_layers=2, scale=1.5, hidden=64)
+Q_DRAFT = int4_copy(Q_TARGET)
 SAMPLERS = {"t=1": Sampler(1.0), "t=0.7,top-k=3": Sampler(0.7, top_k=3), "t=1.2,top-p=0.9": Sampler(1.2, top_p=0.9)}
 
 
@@ -25,10 +30,10 @@ def plain_run(sampler, n):
     return lambda rng: plain(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n)
 
 
-def spec_run(draft, K, verify="rejection", adaptive=False):
+def spec_run(draft, K, verify="rejection", adaptive=False, target=TARGET):
     def run(sampler, n):
         return lambda rng: speculative.decode(
-            TARGET, draft, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=K,
+            target, draft, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=K,
             verify=verify, adaptive=adaptive, max_draft=3)
     return run
 
@@ -75,6 +80,10 @@ def target_law(sampler, n, eos=()):
     return reference_law(llama_next_probs(TARGET, PROMPT, sampler), n, eos)
 
 
+def q_target_law(sampler, n, eos=()):
+    return reference_law(llama_next_probs(Q_TARGET, PROMPT, sampler), n, eos)
+
+
 # name -> (run(sampler, budget) -> (rng -> decoder), law(sampler, budget, eos) -> law, budget)
 ENTRIES = {
     "plain": (plain_run, target_law, 3),
@@ -84,6 +93,10 @@ ENTRIES = {
     "speculative self-draft L=1 K=2": (spec_run(speculative.SelfDraft(1), 2), target_law, 3),
     "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 3),
+    "speculative int4 draft K=2": (spec_run(Q_DRAFT, 2, target=Q_TARGET), q_target_law, 3),
+    "speculative int4 draft coupled K=2": (spec_run(Q_DRAFT, 2, verify="coupled", target=Q_TARGET),
+                                           q_target_law, 3),
+    "speculative int4 draft adaptive K": (spec_run(Q_DRAFT, 1, adaptive=True, target=Q_TARGET), q_target_law, 3),
     "lookahead W=2 N=3 G=2": (la_run(2, 3, 2), target_law, 3),
     "lookahead W=3 N=2 G=3": (la_run(3, 2, 3), target_law, 3),
     "lookup N=2 K=2": (lu_run(2, 2), target_law, 3),
@@ -117,4 +130,15 @@ def test_the_speculative_decoder_with_a_classic_bug_fails_its_proof(mutant, monk
     monkeypatch.setattr(speculative, "verify_rejection", MUTANTS[mutant][0])
     run, law, n = ENTRIES["speculative K=2"]
     sampler = Sampler(0.7)
+    assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4
+
+
+@pytest.mark.parametrize("mutant", ["always accept", "residual = p"])
+def test_the_int4_draft_pair_with_a_classic_bug_fails_its_proof(mutant, monkeypatch):
+    # Why: a 4-bit copy's law q is close to the target's p, so a bug moves the output law only a
+    # little; the harness must still see it (exact to float64, not a sampled estimate).
+    from test_sampling import MUTANTS
+    monkeypatch.setattr(speculative, "verify_rejection", MUTANTS[mutant][0])
+    run, law, n = ENTRIES["speculative int4 draft K=2"]
+    sampler = Sampler(1.0)
     assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4

@@ -9,7 +9,7 @@ from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
 from engine import speculative
-from engine.draft import Separate
+from engine.draft import Separate, int4_copy
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler
@@ -27,7 +27,11 @@ def near_copy(target, seed, eps=0.05):
 
 
 def make_pair(kind, seed):
-    """(target, draft) of one of three kinds: a stranger, a near copy, an early exit."""
+    """(target, draft) of one of four kinds: a stranger, a near copy, an early exit, and the
+    target's own weights in 4 bits (bf16 activations: a draft that rounds apart from it)."""
+    if kind == "int4":
+        target = tiny_llama(seed % 5, n_layers=2 + seed % 2, hidden=64)
+        return target, int4_copy(target)
     target = tiny_llama(seed % 5, n_layers=3 + seed % 2)
     if kind == "other":
         return target, tiny_llama(seed % 5 + 7)
@@ -49,7 +53,7 @@ def same_as_plain(kind, seed, K, P, budget, sampler=GREEDY, verify="rejection", 
     return got == want
 
 
-KINDS = st.sampled_from(["other", "near", "self"])
+KINDS = st.sampled_from(["other", "near", "self", "int4"])
 
 
 # --------------------------------------------------------------------------- greedy
@@ -261,10 +265,35 @@ def test_self_draft_costs_follow_the_model_shapes():
     # Why: the tuner's prices for an early exit: a draft token reads layers [0, L) and the head,
     # the check reads the other layers; with L = all layers a draft costs a whole forward.
     model = tiny_llama(0, n_layers=4)
-    c_draft, c_verify = speculative.costs(model, SelfDraft(4))
+    c_draft, c_verify, _ = speculative.costs(model, SelfDraft(4))
     assert c_draft == pytest.approx(1.0) and c_verify(0) == pytest.approx(1.0)
-    c_draft, c_verify = speculative.costs(model, SelfDraft(2))
+    c_draft, c_verify, _ = speculative.costs(model, SelfDraft(2))
     assert 0.5 < c_draft < 1 and c_verify(0) == pytest.approx(1.0)
+
+
+def test_a_4bit_copy_is_priced_as_a_close_draft_and_drafts_from_the_first_step():
+    # Why: the target's own weights in 4 bits agree with it on most tokens (docs/fidelity.md);
+    # priced like a stranger (prior 1/2) it would wait 32 plain steps before its first draft.
+    target = tiny_llama(1, hidden=64)
+    c_draft, c_verify, prior = speculative.costs(target, int4_copy(target), {1: 1.0, 8: 1.2})
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    assert prior == 0.9 and c_draft == speculative.DRAFT_COST.get(("Int4Linear", dispatch), 0.6)
+    assert c_verify(7) == pytest.approx(1.2)
+    assert speculative.costs(target, int4_copy(target), None, draft_cost=0.3)[0] == 0.3   # measured wins
+    assert speculative.costs(target, tiny_llama(2, hidden=64))[2] == 0.5     # same shapes, not a copy
+    steps = decode(target, int4_copy(target), [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=8,
+                   adaptive=True, cost_table={1: 1.0, 8: 1.2}, draft_cost=0.5)
+    assert next(steps).drafted >= 1
+
+
+@pytest.mark.parametrize("c,want", [(0.2, "int4"), (0.9, "self")])
+def test_pays_ranks_drafts_by_tokens_per_unit_of_cost(c, want):
+    # Why: --draft auto takes the draft `pays` prices higher. Pinned examples: at 0.2 of a
+    # forward a token the 4-bit copy wins (prior 0.9); at 0.9 it loses to a 1-of-2-layer exit.
+    target = tiny_llama(1, hidden=64)
+    copy4, exit1 = speculative.pays(target, int4_copy(target), {1: 1.0, 8: 1.2}, c), \
+        speculative.pays(target, SelfDraft(1), {1: 1.0, 8: 1.2})
+    assert (copy4 > exit1) == (want == "int4") and min(copy4, exit1) >= 1.0
 
 
 # --------------------------------------------------------------------------- the tests have teeth

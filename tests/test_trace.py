@@ -170,7 +170,8 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 @pytest.mark.parametrize("decoder", [["plain"], ["lookahead"], ["lookup"], ["contrastive", "--amateur", "layers:1"],
-                                     ["speculative", "--draft", "layers:1", "--no-adaptive"]])
+                                     ["speculative", "--draft", "layers:1", "--no-adaptive"],
+                                     ["speculative", "--draft", "int4", "--num-draft", "3"]])
 def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder, capsys):
     # Why: `--trace` is the flag a reader types; on any checkpoint it must print every step
     # (one per target forward) on stderr and leave stdout's answer alone.

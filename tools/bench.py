@@ -28,8 +28,9 @@ from pathlib import Path
 import torch
 
 from engine import speculative
-from engine.cost import calibrated
+from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
+from engine.draft import resident_bytes
 from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
@@ -224,7 +225,9 @@ CONFIGS = {
     # plain once more, later in each round: its cells are the noise every other row sits in
     "plain again": ("plain", None, {}),
 }
-DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive", "plain again")  # `make bench`
+# `make bench`; on an fp32 CPU run it adds plain and lookahead on --int4 and speculative with the
+# int4 draft (`speculative int4 adaptive`, what --draft auto takes where it pays)
+DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 # a config is compared with plain, unless it runs on another model: then with plain on that one
 BASELINE = {"lookahead auto --int4": "plain --int4"}
 
@@ -235,6 +238,8 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     name, second, knobs = config
     if "cost_table" in DECODERS[name].knobs:
         knobs = {"cost_table": calibrated(model, notify=progress)} | knobs
+    if "draft_cost" in DECODERS[name].knobs and isinstance(second, Llama) and knobs.get("adaptive"):
+        knobs = {"draft_cost": draft_price(model, second, notify=progress)} | knobs   # as the CLI prices it
     models = (model,) if second is None else (model, second)
     steps, stats = [], Stats()
     run = DECODERS[name].decode(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
@@ -623,6 +628,9 @@ def run(args: argparse.Namespace) -> dict:
             configs["plain --int4"] = lambda p: decode_once(q, p, CONFIGS["plain"], args.max_new_tokens, eos)
             configs["lookahead auto --int4"] = lambda p: decode_once(q, p, CONFIGS["lookahead auto"],
                                                                      args.max_new_tokens, eos)
+            # the same 4-bit model as speculative's draft, the fp32 target deciding: fp32's tokens
+            configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))
+            result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
         if args.llama_cpp:
@@ -637,9 +645,12 @@ def print_table(result: dict, out: Path) -> None:
     print(f"machine: {describe(result['machine'])}")
     print(f"device {result['device']}, {result['dtype']}, {result['threads']} threads, "
           f"linear {result['linear']}")
+    if "int4_draft_mb" in result:
+        print(f"speculative int4's draft adds {result['int4_draft_mb']:.0f} MB beside the fp32 target")
     if "decoders" in result:
         table = markdown(result["decoders"])
-        write_atomic(out / "bench.md", f"`{result['command']}`\n\nMachine: {describe(result['machine'])}\n\n{table}".encode())
+        mb = f"\n\nspeculative int4's draft adds {result['int4_draft_mb']:.0f} MB" if "int4_draft_mb" in result else ""
+        write_atomic(out / "bench.md", f"`{result['command']}`\n\nMachine: {describe(result['machine'])}\n\n{table}{mb}".encode())
         write_atomic(out / "bench.json", json.dumps(result, indent=1).encode())
         plot(result["decoders"], out / "bench.png")
         print(table + f"written: {out}/bench.md, bench.json, bench.png")

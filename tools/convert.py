@@ -118,7 +118,8 @@ def hf_config(meta: dict, has_output: bool, rope_freqs: np.ndarray | None = None
     if kind == "linear":
         scaling = {"rope_type": "linear", "factor": float(field(meta, a + "rope.scaling.factor", float))}
     elif rope_freqs is not None:
-        scaling = llama3_scaling(rope_freqs, head_dim, theta, meta.get(a + "rope.scaling.original_context_length"))
+        n0 = a + "rope.scaling.original_context_length"
+        scaling = llama3_scaling(rope_freqs, head_dim, theta, n(n0[len(a):]) if n0 in meta else None)
     tokens = meta.get("tokenizer.ggml.tokens")
     if not isinstance(tokens, list) or not all(isinstance(t, str) for t in tokens):
         raise ValueError("GGUF metadata tokenizer.ggml.tokens must be a list of strings")

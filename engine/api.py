@@ -1,0 +1,81 @@
+"""The engine from Python: what `python -m engine.run` does, without its flags.
+
+    from engine.api import Engine
+    llm = Engine.load()                              # the default model; or Engine.load(path)
+    print(llm.generate("What is the capital of France?", max_new_tokens=20))
+    for text in llm.stream("Name three colours.", decoder="lookahead", window=4):
+        print(text, end="", flush=True)
+    print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
+
+`decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
+and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
+A str prompt is chat-templated as the CLI does; a list of ints is sent as it is. Greedy unless
+temperature > 0; `seed` keys the draws. Errors are ValueErrors, as the CLI's `error:` lines.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Iterator
+
+import torch
+
+from engine.decoders import DECODERS
+from engine.generate import Stats, generate
+from engine.llama import Llama
+from engine.packed import prepack
+from engine.sampling import Random, Sampler
+from engine.tokenizer import StreamDecoder, Tokenizer
+from engine.weights import default_checkpoint, load_model
+
+
+@dataclass
+class Engine:
+    model: Llama
+    tokenizer: Tokenizer
+    stats: Stats | None = None     # of the last call, filled as its tokens stream
+
+    @classmethod
+    def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, packed: bool = True) -> Engine:
+        """A checkpoint directory (default: `make weights`' model), on the CPU; packed: the
+        oneDNN matmuls the CLI uses unless --no-prepack."""
+        ckpt = default_checkpoint() if checkpoint is None else checkpoint
+        model = load_model(ckpt, dtype=dtype)
+        return cls(prepack(model) if packed else model, Tokenizer.load(ckpt))
+
+    def ids(self, prompt: str | list[int]) -> list[int]:
+        if not isinstance(prompt, str):
+            return list(prompt)
+        if self.tokenizer.chat_template:
+            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
+        return self.tokenizer.encode(prompt, special=False)
+
+    def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               second: int | Llama | None = None, **knobs) -> Iterator[int]:
+        """New token ids as they are accepted, EOS included when it comes."""
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
+        d = DECODERS[decoder]
+        if set(knobs) - set(d.knobs):
+            raise ValueError(f"{decoder} has no knob {sorted(set(knobs) - set(d.knobs))[0]!r} "
+                             f"(it takes {', '.join(d.knobs) or 'none'})")
+        if (second is None) != (d.second is None):
+            raise ValueError(f"{decoder} takes second= (a layer count or a Llama)" if second is None
+                             else f"{decoder} takes no second model")
+        extra = () if second is None else (d.early_exit(second) if isinstance(second, int) else second,)
+        steps = d.decode(self.model, *extra, self.ids(prompt), sampler=Sampler(temperature, top_k, top_p),
+                         rng=Random(seed), max_new_tokens=max_new_tokens, **knobs)
+        self.stats = Stats()
+        yield from generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids,
+                            stats=self.stats)
+
+    def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
+        """The answer's text in pieces, each as soon as its bytes are whole UTF-8 (no EOS text)."""
+        pieces = StreamDecoder(self.tokenizer)
+        for x in self.tokens(prompt, **kw):
+            if x not in self.tokenizer.eos_ids:
+                yield pieces.push(x)
+        yield pieces.flush()
+
+    def generate(self, prompt: str | list[int], **kw) -> str:
+        return "".join(self.stream(prompt, **kw))

@@ -1,0 +1,73 @@
+"""engine/api.py: the CLI's answer from Python, every decoder by name, and the README's snippet
+runs as written."""
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+
+from engine.api import Engine
+from engine.decoders import DECODERS
+from engine.run import main
+from engine.tokenizer import Tokenizer
+from engine.weights import DEFAULT_CHECKPOINT, load_model
+from test_weights import hf_tensors, write_gguf
+from tools.convert import convert
+
+
+@pytest.fixture(scope="module")
+def ckpt(tmp_path_factory):
+    d = tmp_path_factory.mktemp("api")
+    return convert(write_gguf(d / "tiny.gguf", hf_tensors(seed=3)), d / "ckpt")
+
+
+def test_generate_gives_the_clis_text(ckpt, capsys):
+    # Why: the API is the CLI without flags; one prompt must give one answer through either
+    argv = ["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "12",
+            "--decoder", "plain", "--temperature", "0", "--json"]
+    assert main(argv) == 0
+    cli = json.loads(capsys.readouterr().out)
+    llm = Engine.load(ckpt)
+    assert llm.generate("the the", max_new_tokens=12) == cli["text"]
+    assert llm.stats.n_tokens == cli["n_tokens"] and llm.stats.n_forwards == cli["n_forwards"]
+
+
+@pytest.mark.parametrize("decoder", DECODERS)
+def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
+    # float64, unpacked: k-row and one-row forwards cannot flip a near tie (tests/conftest.py)
+    llm = Engine(load_model(ckpt, dtype=torch.float64), Tokenizer.load(ckpt))
+    kw = {"second": 1} if DECODERS[decoder].second else {}
+    kw |= {"beta": 0.0} if decoder == "contrastive" else {}
+    want = list(llm.tokens("the the the", max_new_tokens=16))
+    assert list(llm.tokens("the the the", decoder=decoder, max_new_tokens=16, **kw)) == want
+    # and it is the named decoder that ran: plain neither drafts nor runs a second model
+    assert (llm.stats.drafted + llm.stats.draft_forwards > 0) == (decoder != "plain")
+
+
+def test_stream_pieces_join_to_the_text(ckpt):
+    llm = Engine.load(ckpt)
+    pieces = list(llm.stream([5, 6, 7], max_new_tokens=10, temperature=0.9, seed=4))
+    assert "".join(pieces) == llm.generate([5, 6, 7], max_new_tokens=10, temperature=0.9, seed=4)
+    assert llm.stats.n_tokens == 10
+
+
+@pytest.mark.parametrize("kw, words", [
+    ({"decoder": "beam"}, "decoder 'beam'"),
+    ({"decoder": "lookahead", "num_draft": 3}, "no knob 'num_draft'"),
+    ({"decoder": "speculative"}, "takes second="),
+    ({"decoder": "plain", "second": 2}, "takes no second"),
+    ({"max_new_tokens": 10**6}, "context"),
+])
+def test_bad_arguments_are_value_errors(ckpt, kw, words):
+    with pytest.raises(ValueError, match=words):
+        Engine.load(ckpt).generate("the", **kw)
+
+
+@pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(), reason="run `make weights` first")
+def test_the_readme_snippet_runs(capsys):
+    readme = (Path(__file__).parent.parent / "README.md").read_text()
+    code = re.search(r"## Python API\n\n```python\n(.*?)```", readme, re.S)[1]
+    exec(compile(code, "README.md", "exec"), {})
+    out = capsys.readouterr().out
+    assert "Paris" in out and re.search(r"\d+ tokens in \d+ forwards", out)

@@ -23,15 +23,27 @@ engine's `Sampler` (temperature, top-k, top-p), or a tiny float64 Llama for the 
 decoders. A speculative verifier (Leviathan et al. 2023, arXiv 2211.17192; Chen et al. 2023,
 arXiv 2302.01318) is driven by a loop that drafts K tokens from q, asks the verifier, and
 appends what it returns, until n tokens are out.
+
+The command line certifies each sampler in a child process under --time-limit: a sampler that
+exits the process, hangs or eats the machine cannot pass for a verdict. Exit codes: 0 every
+sampler PASSed; 1 a FAIL was reached; 2 bad input, or a run refused before it started (its
+first runs project past --time-limit); 3 no verdict (the sampler ended the process, or ran
+past the limit). Only 0 and 1 come with a verdict table.
 """
 from __future__ import annotations
 
 import argparse
 import importlib
+import importlib.util
 import inspect
+import itertools
 import json
 import math
+import multiprocessing
+import resource
 import sys
+import time
+from pathlib import Path
 from dataclasses import asdict, dataclass
 from typing import Callable, Iterator
 
@@ -42,6 +54,18 @@ from engine.sampling import Random, Sampler, verify_rejection
 from tools.exact_law import decoder_law, max_gap, reference_law
 
 ALPHA, BETA, TOL = 1e-6, 0.01, 1e-12
+# Bounds on the work the tool takes on, each from what the question needs:
+MAX_SAMPLES = 10**7     # stat: N = 10^7 detects TV >= 0.0016 over 16 outcomes (0.0124 over 4,096);
+                        # past it the Python loop (~0.6 ms a run here) takes days, the samples GBs
+MAX_DRAFT = 64          # K: one verifier call drafts K tokens before the pilot can time anything
+MAX_OUTCOMES = 4096     # V^n: the exact walk and the bincount are over V^n outcomes
+TIME_LIMIT = 3600.0     # s per sampler (--time-limit); a stat run projected past it is refused
+PILOT = 50              # stat runs timed before the rest are projected (and refused or stated)
+MEMORY = 8 << 30        # bytes a certification may add (RLIMIT_AS in its child), or half of free
+
+
+class Refused(Exception):
+    """Not the sampler's failure: the tool declines the work before it runs past its bounds."""
 
 
 @dataclass
@@ -111,12 +135,22 @@ def spec_run(verify, target, draft, K: int, prompt=()):
                 drafts.append(rng.categorical(qs[-1], "draft", n + i))
             p = torch.stack([target(tuple(seq + drafts[:i])) for i in range(K + 1)])     # (K+1, V)
             q = torch.stack(qs) if K else p[:0]                                          # (K, V)
-            out = verify(p, q, drafts, rng, n)
-            if not out:   # generate() would wait forever for the next token
-                raise ValueError("the verifier returned no token")
+            out = answer(verify(p, q, drafts, rng, n), K)
             seq += out
             yield Step(out)
     return run
+
+
+def answer(tokens, K: int) -> list[int]:
+    """A verifier's tokens, at most K + 1 (K accepted drafts and one of its own), read lazily:
+    an endless iterable is cut at K + 2 and fails, instead of filling the memory."""
+    # subtle: list(tokens) would never return on itertools.count(); islice stops it
+    out = [int(x) for x in itertools.islice(iter(tokens), K + 2)]
+    if not out:   # the harness would wait forever for the next token
+        raise ValueError("the verifier returned no token")
+    if len(out) > K + 1:
+        raise ValueError(f"the verifier returned more than K + 1 = {K + 1} tokens for {K} drafts")
+    return out
 
 
 def certify_exact(name: str, run, law: dict, n: int) -> Verdict:
@@ -164,13 +198,19 @@ def certify_samples(name: str, samples: torch.Tensor, law: dict, V: int, alpha: 
     return Verdict(name, "stat", tv <= eps, tv, eps, p_value, N, m, power)
 
 
-def spec_samples(verify, target, draft, K: int, n: int, N: int, seed: int = 0, prompt=()) -> torch.Tensor:
+def spec_samples(verify, target, draft, K: int, n: int, N: int, seed: int = 0, prompt=(),
+                 limit: float | None = None, name: str = "") -> torch.Tensor:
     """N independent runs of the speculative loop with a black-box verify(p, q, drafts) -> tokens.
 
     Drafts come from q through our own generator; the verifier may use any RNG it likes.
+    With `limit` (s), the first PILOT runs are timed and the rest projected: past the limit the
+    run is Refused; otherwise a run of 10 s or more says on stderr how long it will take.
     """
-    g, rows = torch.Generator().manual_seed(seed), []
-    for _ in range(N):
+    g, rows = torch.Generator().manual_seed(seed), torch.full((N, n), -1, dtype=torch.long)  # (N, n)
+    t0 = time.monotonic()
+    for r in range(N):
+        if limit is not None and r == min(PILOT, N - 1) and r:
+            pace(name, N, r, time.monotonic() - t0, limit)
         seq = list(prompt)
         while len(seq) < len(prompt) + n:
             drafts, qs = [], []
@@ -178,15 +218,30 @@ def spec_samples(verify, target, draft, K: int, n: int, N: int, seed: int = 0, p
                 qs.append(draft(tuple(seq + drafts)))
                 drafts.append(int(torch.multinomial(qs[-1], 1, generator=g)))
             p = torch.stack([target(tuple(seq + drafts[:i])) for i in range(K + 1)])
-            out = [int(x) for x in verify(p, torch.stack(qs) if K else p[:0], drafts)]
-            if not out:
-                raise ValueError("the verifier returned no token")
+            out = answer(verify(p, torch.stack(qs) if K else p[:0], drafts), K)
             if any(not 0 <= x < p.shape[1] for x in out):   # outside the vocab: certify_samples says so
                 seq += out
                 break
             seq += out
-        rows.append((seq[len(prompt):] + [-1] * n)[:n])
-    return torch.tensor(rows, dtype=torch.long)
+        got = seq[len(prompt):len(prompt) + n]
+        rows[r, :len(got)] = torch.tensor(got, dtype=torch.long)
+    return rows
+
+
+def pace(name: str, N: int, done: int, seconds: float, limit: float) -> None:
+    """Project N runs from the first `done`; refuse past `limit`, state it when it is long."""
+    total = seconds / done * N
+    if total > limit:
+        raise Refused(f"{name}: {N:,} runs would take about {clock(total)} ({seconds / done * 1e3:.2f} ms "
+                      f"a run over the first {done}), past --time-limit {limit:g} s: ask for fewer "
+                      f"--samples or a longer --time-limit")
+    if total >= 10:
+        print(f"note: {name}: {N:,} runs, about {clock(total)} (timed over the first {done})",
+              file=sys.stderr, flush=True)
+
+
+def clock(s: float) -> str:
+    return f"{s:.0f} s" if s < 120 else f"{s / 60:.0f} min" if s < 7200 else f"{s / 3600:.1f} h"
 
 
 def planted(law: dict, tv: float, toward: str, V: int, n: int):
@@ -202,6 +257,8 @@ def planted(law: dict, tv: float, toward: str, V: int, n: int):
     else:
         Q = (P > 0).double() / (P > 0).sum()
     span = 0.5 * float((Q - P).abs().sum())
+    if not (math.isfinite(tv) and tv >= 0) or toward not in ("mode", "uniform"):
+        raise ValueError(f"planted:{tv}:{toward}: want planted:TV[:mode|uniform] with TV a number >= 0")
     if tv > span:
         raise ValueError(f"a planted bias of TV {tv} toward {toward} needs TV(P, Q) >= {tv}, have {span:.4f}")
     Pd = P + tv * (Q - P) / span if tv else P
@@ -228,14 +285,34 @@ def hf_speculative(p: torch.Tensor, q: torch.Tensor, drafts: list[int]) -> list[
 
 
 def load(spec: str) -> Callable:
-    """'module:function' -> the function; a one-line ValueError otherwise."""
-    mod, _, fn = spec.partition(":")
+    """'module:function' or 'path/to/file.py:function' -> the function; a one-line ValueError
+    otherwise, whatever importing the module did (a syntax error, an exception, sys.exit)."""
+    mod, _, fn = spec.rpartition(":")
     if not mod or not fn:
-        raise ValueError(f"sampler {spec!r}: expected a built-in name or module:function")
+        raise ValueError(f"sampler {spec!r}: expected a built-in name, module:function or file.py:function")
+    if mod.startswith(".") and not mod.endswith(".py"):
+        raise ValueError(f"sampler {spec!r}: a relative module name; give its dotted name from the "
+                         "current directory or the path of its .py file")
     try:
-        return getattr(importlib.import_module(mod), fn)
-    except (ImportError, AttributeError) as e:
-        raise ValueError(f"sampler {spec!r}: {e}") from None
+        module = from_file(mod) if mod.endswith(".py") or "/" in mod else importlib.import_module(mod)
+        f = getattr(module, fn)
+    except (Exception, SystemExit) as e:  # noqa: BLE001  (the module's own code ran in there)
+        raise ValueError(f"sampler {spec!r}: cannot load it ({type(e).__name__}: "
+                         f"{str(e).splitlines()[0] if str(e) else ''})") from None
+    if not callable(f):
+        raise ValueError(f"sampler {spec!r}: {fn} is not a function")
+    return f
+
+
+def from_file(path: str):
+    """The module in a .py file, by path (relative to the current directory)."""
+    file = Path(path)
+    if not file.is_file():
+        raise FileNotFoundError(f"no such file {path}")
+    spec = importlib.util.spec_from_file_location(file.stem, file)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
 
 
 def white_box(f: Callable) -> bool:
@@ -246,13 +323,14 @@ def white_box(f: Callable) -> bool:
         return False
 
 
-def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: int, seed: int) -> Verdict:
-    """One sampler by name: engine-*, hf-speculative, planted:TV[:mode|uniform], module:function."""
+def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: int, seed: int,
+            limit: float | None = None) -> Verdict:
+    """One sampler by name: engine-*, hf-speculative, planted:TV[:mode|uniform], module:function.
+    `limit` (s): a stat run whose first runs project past it is Refused."""
     target, draft, prompt = TableLM(11, V, sampler), TableLM(22, V, sampler), ()
     law = reference_law(lambda pre: target(tuple(prompt) + pre), n)
     if spec.startswith("planted:"):
-        _, tv, *toward = spec.split(":")
-        sample = planted(law, float(tv), (toward or ["mode"])[0], V, n)
+        sample = planted(law, *planted_spec(spec), V, n)
         return certify_samples(spec, sample(N, seed), law, V)
     if spec in ("engine-plain", "engine-speculative", "engine-coupled", "engine-lookahead"):
         if mode != "exact":
@@ -275,10 +353,25 @@ def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: i
             seeds, g = iter(range(seed * 10**9, 10**18)), f
             f = lambda p, q, d: g(p, q, d, Random(next(seeds)), 0)  # noqa: E731
         torch.manual_seed(seed)   # black-box samplers on torch's global RNG: a run is reproducible
-        return certify_samples(spec, spec_samples(f, target, draft, K, n, N, seed, prompt), law, V)
+        return certify_samples(spec, spec_samples(f, target, draft, K, n, N, seed, prompt, limit, spec), law, V)
+    except (Refused, MemoryError):   # the tool's bounds, not the sampler's law: no verdict
+        raise
     except Exception as e:  # noqa: BLE001
         return Verdict(spec, mode, False, float("nan"), float("nan"), None, None, 0, None,
                        f"the sampler raised {type(e).__name__}: {e}")
+
+
+def planted_spec(spec: str) -> tuple[float, str]:
+    """'planted:TV[:mode|uniform]' -> (TV, toward); a misspelling is an error, not a default."""
+    parts = spec.split(":")
+    try:
+        tv = float(parts[1])
+    except ValueError:
+        tv = math.nan
+    toward = parts[2] if len(parts) == 3 else "mode" if len(parts) == 2 else ""
+    if not (math.isfinite(tv) and tv >= 0) or toward not in ("mode", "uniform"):
+        raise ValueError(f"sampler {spec!r}: want planted:TV[:mode|uniform] with TV a number >= 0")
+    return tv, toward
 
 
 def certify_engine_decoder(spec: str, V: int, n: int, K: int, sampler: Sampler) -> Verdict:
@@ -347,39 +440,117 @@ def table(verdicts: list[Verdict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m tools.prove", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m tools.prove", description=__doc__.split("\n\n")[0],
+                epilog="exit: 0 all PASS, 1 a FAIL, 2 bad input or refused before starting, 3 no verdict")
     ap.add_argument("samplers", nargs="+", metavar="SAMPLER",
                     help="engine-rejection | engine-plain | engine-speculative | engine-coupled | "
                          "engine-lookahead | hf-speculative | planted:TV[:mode|uniform] | module:function "
-                         "(verify(p, q, drafts[, rng, position]) -> tokens)")
+                         "| path/to/file.py:function (verify(p, q, drafts[, rng, position]) -> tokens)")
     ap.add_argument("--mode", choices=["exact", "stat"], default="exact")
     ap.add_argument("--vocab", type=int, default=4, help="V (default 4)")
     ap.add_argument("--tokens", type=int, default=2, help="n, positions whose joint law is checked")
-    ap.add_argument("--draft-len", type=int, default=2, help="K drafts per verifier call")
-    ap.add_argument("--samples", type=int, default=300_000, help="N runs in --mode stat")
+    ap.add_argument("--draft-len", type=int, default=2, help=f"K drafts per verifier call (<= {MAX_DRAFT})")
+    ap.add_argument("--samples", type=int, default=300_000, help=f"N runs in --mode stat (<= {MAX_SAMPLES:,})")
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--top-k", type=int, default=0)
     ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--seed", type=int, default=0, help="in [0, 2^32)")
+    ap.add_argument("--time-limit", type=float, default=TIME_LIMIT, metavar="S",
+                    help="seconds per sampler: a stat run projected past it is refused before the "
+                         "rest runs; any certification still running at S is stopped (exit 3)")
     ap.add_argument("--json", action="store_true", help="one JSON list of verdicts instead of the table")
     a = ap.parse_args(argv)
     torch.set_num_threads(1)   # tiny tensors: thread hand-offs cost more than the math
     try:
-        if not 2 <= a.vocab <= 64 or not 1 <= a.tokens or a.vocab ** a.tokens > 4096:
-            raise ValueError(f"need 2 <= V <= 64, n >= 1 and V^n <= 4096 outcomes, got V={a.vocab}, n={a.tokens}")
-        if a.draft_len < 0 or a.samples < 1:
-            raise ValueError("--draft-len must be >= 0 and --samples >= 1")
+        check_args(a)
         sampler = Sampler(a.temperature, a.top_k, a.top_p)
         if sampler.greedy:
             raise ValueError("--temperature must be > 0: a greedy law is a single point")
-        verdicts = [certify(s, a.mode, a.vocab, a.tokens, a.draft_len, sampler, a.samples, a.seed)
-                    for s in a.samplers]
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    verdicts = []
+    for s in a.samplers:
+        try:
+            kind, got = isolated(lambda: certify(s, a.mode, a.vocab, a.tokens, a.draft_len, sampler,
+                                                 a.samples, a.seed, a.time_limit), a.time_limit)
+        except KeyboardInterrupt:   # the child is gone (isolated's finally); so is every verdict
+            return 130
+        if kind != "verdict":   # no table at all: a partial one could pass for the whole answer
+            print(f"error: {got}", file=sys.stderr)
+            return 2 if kind == "error" else 3
+        verdicts.append(got)
     clean = lambda d: {k: None if isinstance(x, float) and math.isnan(x) else x for k, x in d.items()}  # noqa: E731
     print(json.dumps([clean(asdict(v)) for v in verdicts], indent=1) if a.json else table(verdicts))
     return 0 if all(v.passed for v in verdicts) else 1
+
+
+def check_args(a) -> None:
+    """Every bound that can be judged before a sampler runs, so nothing big starts."""
+    # subtle: test n first; V ** n with n = 10^9 is itself a huge integer that takes minutes
+    if not 2 <= a.vocab <= 64 or not 1 <= a.tokens <= 12 or a.vocab ** a.tokens > MAX_OUTCOMES:
+        raise ValueError(f"need 2 <= V <= 64, n >= 1 and V^n <= {MAX_OUTCOMES} outcomes, got V={a.vocab}, n={a.tokens}")
+    if not 0 <= a.draft_len <= MAX_DRAFT:
+        raise ValueError(f"--draft-len must be in [0, {MAX_DRAFT}], got {a.draft_len}")
+    if not 1 <= a.samples <= MAX_SAMPLES:
+        raise ValueError(f"--samples must be in [1, {MAX_SAMPLES:,}] (N = {MAX_SAMPLES:,} detects TV >= "
+                         f"{detects(MAX_SAMPLES, 16):.4f} over 16 outcomes; more takes days), got {a.samples:,}")
+    if not 0 <= a.seed < 2**32:
+        raise ValueError(f"--seed must be in [0, 2^32), got {a.seed}")
+    if not 1 <= a.time_limit <= 7 * 86400:   # NaN fails too
+        raise ValueError(f"--time-limit must be in [1, 604800] seconds, got {a.time_limit:g}")
+
+
+def isolated(work: Callable[[], Verdict], limit: float) -> tuple[str, object]:
+    """work() in a forked child under a time and memory limit -> ("verdict", Verdict),
+    ("error", why: bad input or Refused) or ("none", why no verdict was reached).
+
+    A sampler is someone else's code: it may call sys.exit(0) or os._exit(0), loop forever or
+    allocate without bound. Only a Verdict sent back through the pipe is a verdict.
+    """
+    ctx = multiprocessing.get_context("fork")   # the child inherits the loaded sampler code
+    recv, send = ctx.Pipe(duplex=False)
+    child = ctx.Process(target=child_main, args=(send, work), daemon=True)
+    child.start()
+    send.close()
+    try:
+        if not recv.poll(limit):   # subtle: poll is also True at EOF, when the child died
+            return "none", f"no verdict within --time-limit {limit:g} s: the certification was stopped"
+        return recv.recv()
+    except EOFError:
+        child.join(5)
+        return "none", (f"no verdict: the sampler's process ended (exit code {child.exitcode}) "
+                        "before one was reached")
+    finally:
+        if child.is_alive():
+            child.kill()
+        child.join()
+
+
+def child_main(send, work) -> None:
+    limit_memory()
+    try:
+        message = "verdict", work()
+    except (ValueError, Refused) as e:
+        message = "error", str(e)
+    except SystemExit as e:   # the sampler called sys.exit() while running
+        message = "none", f"no verdict: the sampler called sys.exit({e.code!r})"
+    except MemoryError:
+        message = "none", "no verdict: out of the memory a certification may use (RLIMIT_AS)"
+    send.send(message)
+
+
+def limit_memory() -> None:
+    """Cap this process's address space at what it maps now plus MEMORY (or half the free
+    memory): a sampler that allocates without bound gets a MemoryError, not the machine."""
+    try:
+        free = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
+        size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
+        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
+        soft = size + min(MEMORY, free // 2)
+        resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
+    except (OSError, ValueError, StopIteration):
+        pass   # no /proc: the time limit still stops it
 
 
 if __name__ == "__main__":

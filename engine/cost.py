@@ -22,6 +22,7 @@ import json
 import math
 import os
 import platform
+import stat
 import time
 from pathlib import Path
 from typing import Callable
@@ -69,6 +70,9 @@ def interpolate(table: dict[int, float], k: int) -> float:
     return table[b] + slope * (k - b)
 
 
+MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
+
+
 def load_table(path: str | Path) -> dict[int, float]:
     """The k -> cost(k)/cost(1) ratios of a `tools.bench --forward-cost` JSON (its first model)."""
     return table_from(read_json(path), path)
@@ -76,9 +80,9 @@ def load_table(path: str | Path) -> dict[int, float]:
 
 def read_json(path: str | Path):
     try:
-        return json.loads(Path(path).read_text())
-    except (OSError, ValueError) as e:
-        raise ValueError(f"{path}: not a forward-cost JSON from tools.bench ({e})") from None
+        return json.loads(read_small(Path(path)))
+    except (OSError, ValueError, RecursionError) as e:   # RecursionError: deeply nested JSON
+        raise ValueError(f"{path}: not a forward-cost JSON from tools.bench ({str(e)[:200]})") from None
 
 
 def table_from(d, path: str | Path) -> dict[int, float]:
@@ -87,9 +91,30 @@ def table_from(d, path: str | Path) -> dict[int, float]:
         table = {int(k): float(r["ratio"]) for k, r in rows.items()}
     except (ValueError, KeyError, TypeError, StopIteration, AttributeError) as e:
         raise ValueError(f"{path}: not a forward-cost JSON from tools.bench ({e})") from None
-    if 1 not in table or any(not 0 < v < 1e6 for v in table.values()):
-        raise ValueError(f"{path}: the cost table needs k = 1 and positive ratios")
+    # subtle: a k-row forward costs at least about one row; a ratio near 0 (or k = 1 priced
+    # near 0) would make the adaptive choices pay any number of rows for nothing, silently
+    if 1 not in table or any(k < 1 or not 0.5 <= v < 1e6 for k, v in table.items()):
+        raise ValueError(f"{path}: the cost table needs k = 1 and ratios in [0.5, 1e6) for k >= 1")
     return table
+
+
+def read_small(path: Path) -> bytes:
+    """A regular file's bytes, at most MAX_TABLE_BYTES: a FIFO nobody writes, /dev/zero or a
+    file that keeps growing is one error, not a hang or a full memory."""
+    if str(path) in ("", "."):
+        raise OSError("an empty path names no file")
+    # subtle: O_NONBLOCK so that opening a FIFO returns at once (fstat then refuses it)
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+    try:
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            raise OSError("not a regular file")
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            data = f.read(MAX_TABLE_BYTES + 1)
+    finally:
+        os.close(fd)
+    if len(data) > MAX_TABLE_BYTES:
+        raise OSError(f"larger than {MAX_TABLE_BYTES:,} bytes")
+    return data
 
 
 def layer_share(model: Llama, layers: int) -> float:
@@ -181,7 +206,7 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     writer wins a race, and every process uses the file as written. Delete it to measure
     again. `notify` hears one line when this call measured, so a CLI can say where it went.
     """
-    folder = folder or Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache") / "engine"
+    folder = folder or cache_home() / "engine"
     path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if not path.is_file():                             # ~2 s, once per machine and model
         data = json.dumps({"key": key, **measure()}).encode()
@@ -201,6 +226,13 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
         except OSError:                                # a read-only home: measured, not kept
             return json.loads(data), path
     return read_json(path), path
+
+
+def cache_home() -> Path:
+    """$XDG_CACHE_HOME if it is an absolute path, else ~/.cache. The XDG spec says to ignore a
+    relative one: it would leave a cache in whatever directory the command ran from."""
+    xdg = os.environ.get("XDG_CACHE_HOME", "")
+    return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
 
 
 def cpu_name() -> str:

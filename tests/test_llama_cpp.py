@@ -27,6 +27,16 @@ llama_print_timings:        eval time =     500.00 ms /    31 runs   (   16.13 m
 llama_print_timings:       total time =     530.00 ms /    43 tokens
 """
 
+# llama.cpp 0c1e57098 (llama-completion, 2026): a log prefix, then common_perf_print
+NEWEST = """\
+0.07.979.028 I common_perf_print:    sampling time =      28.73 ms
+0.07.979.030 I common_perf_print:    samplers time =       1.42 ms /    79 tokens
+0.07.979.035 I common_perf_print:        load time =    1155.17 ms
+0.07.979.037 I common_perf_print: prompt eval time =     283.51 ms /    15 tokens (   18.90 ms per token,    52.91 tokens per second)
+0.07.979.038 I common_perf_print:        eval time =    6379.09 ms /    63 runs   (  101.26 ms per token,     9.88 tokens per second)
+0.07.979.038 I common_perf_print:       total time =    6715.98 ms /    78 tokens
+"""
+
 
 def fake(tmp_path: Path, stderr: str = NEW, code: int = 0, sleep: float = 0, version: str = "version: 4589 (abc1234)") -> Path:
     """A llama-cli stand-in: answers --version, else dumps its argv, prints text and `stderr`."""
@@ -71,6 +81,14 @@ def test_old_llama_print_timings_lines_parse_too(tmp_path, gguf):
     assert out["decode_tok_s"] == pytest.approx(31 / 0.5)
     assert out["tok_s"] == pytest.approx(32 / 0.52)
     assert out["forwards"] == 32
+
+
+def test_newest_common_perf_print_lines_parse_too(tmp_path, gguf):
+    # the build `make llama-cpp` makes prints these; missing them would fail every real run
+    _, run = reference(fake(tmp_path, NEWEST), gguf, 64, detok, threads=2)
+    out = run([1])
+    assert out["decode_tok_s"] == pytest.approx(63 / 6.37909)
+    assert out["tok_s"] == pytest.approx(64 / (0.28351 + 6.37909))
 
 
 def test_eval_line_is_not_the_prompt_eval_line(tmp_path, gguf):

@@ -7,7 +7,8 @@ Its figure is decode tokens/s over the very GGUF the engine's checkpoint was con
 run with llama.cpp's own Q4_1 kernels and as many threads as torch uses here: what a tuned C++
 engine does with the same weights on the same cores. One run per prompt, interleaved with the
 engine's like HF's reference; the numbers come from the perf lines llama.cpp prints to stderr
-(`llama_perf_context_print:` since late 2024, `llama_print_timings:` before).
+(`common_perf_print:` in 2026's builds, `llama_perf_context_print:` from late 2024,
+`llama_print_timings:` before).
 
 Which binary: `make llama-cpp` builds llama.cpp 0c1e57098 (the tree vendored in the sdist of
 llama-cpp-python 0.3.36), whose one-shot completion is `llama-completion`; its `llama-cli` is
@@ -38,8 +39,9 @@ from typing import Callable
 
 VERSION = re.compile(r"version:\s*(\S+(?: \([^)\n]*\))?)")         # "version: 4589 (abc1234)"
 # "prompt eval time" is another line: nothing but spaces may stand between the prefix and "eval"
-# (and bounded numbers: a 5000-digit count is no figure, and int() of it raises)
-TIMING = (r"^(?:llama_perf_context_print|llama_print_timings):\s+{} time\s*=\s*"
+# (and bounded numbers: a 5000-digit count is no figure, and int() of it raises). Builds of 2026
+# print `common_perf_print:` after a log prefix, "0.07.979.038 I ".
+TIMING = (r"^(?:[\d.]+ [A-Z] )?(?:common_perf_print|llama_perf_context_print|llama_print_timings):\s+{} time\s*=\s*"
           r"(\d{{1,12}}(?:\.\d{{1,12}})?) ms /\s*(\d{{1,12}}) (?:tokens|runs)")
 PROMPT_EVAL = re.compile(TIMING.format("prompt eval"), re.M)
 EVAL = re.compile(TIMING.format("eval"), re.M)

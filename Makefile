@@ -6,7 +6,7 @@ CKPT := weights/smollm2-135m-instruct
 PROMPT ?= Explain in three sentences why the sky is blue.
 DECODER ?= lookahead
 
-.PHONY: setup weights run test bench quality clean
+.PHONY: setup weights run test bench quality clean llama-cpp
 
 # A virtualenv with the pinned dependencies (torch is the CPU wheel from local disk), then the
 # pinned test extras (transformers, whose speculative sampler tests/test_prove_hf.py certifies).
@@ -49,6 +49,27 @@ bench: weights
 	$(PY) -m tools.bench $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))
 	$(PY) -m tools.bench --forward-cost --naive --roof --memory --repeats 5
 	$(PY) -m tools.split
+
+# llama.cpp for `make bench LLAMA_CPP=...`, built here from the source tree the pinned sdist of
+# llama-cpp-python vendors (checked by sha256; llama.cpp 0c1e57098, named by hand: the sdist has
+# no git history), CPU only, native ISA, just llama-completion and llama-bench (about 15 min on
+# 2 cores). Not part of `make test`; it prints the binary to pass as LLAMA_CPP.
+LLAMA_CPP_PY := 0.3.36
+LLAMA_CPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
+LLAMA_CPP_COMMIT := 0c1e57098
+LLAMA_CPP_DIR := build/llama.cpp
+LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz
+llama-cpp: $(LLAMA_CPP_DIR)/cmake/bin/llama-completion
+	@echo "LLAMA_CPP=$(abspath $<)"
+$(LLAMA_CPP_DIR)/cmake/bin/llama-completion: | setup
+	rm -rf $(LLAMA_CPP_DIR) && mkdir -p $(LLAMA_CPP_DIR)/src
+	$(VENV)/bin/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_CPP_DIR)
+	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_SDIST)" | sha256sum -c -
+	tar -xzf $(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_DIR)/src --strip-components=3 llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
+	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	  -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT=$(LLAMA_CPP_COMMIT) -DLLAMA_OPENSSL=OFF \
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+	cmake --build $(LLAMA_CPP_DIR)/cmake -j2 --target llama-completion llama-bench
 
 # How far the inexact modes (--int4, bf16) are from fp32 (bench-out/fidelity.*), then the
 # contrastive quality report (bench-out/quality.*); both name the machine they ran on.

@@ -134,8 +134,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # q, k and v projections stacked by rows (H*D, Hkv*D, Hkv*D): one matmul, not three
-        self.wqkv = nn.Linear(cfg.dim, (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, bias=cfg.attention_bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_bias)
+        qkv, bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.attention_bias
+        self.wqkv = nn.Linear(cfg.dim, qkv, bias=bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
 
     def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
                 cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:

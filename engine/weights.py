@@ -161,7 +161,8 @@ def rope_from_hf(d: dict, head_dim: int, context: int) -> tuple[float, RopeScali
     if kind not in ROPE_KEYS:
         raise ValueError(f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})")
     if val.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor {seen['partial_rotary_factor'][1]!r} is not supported (only 1.0)")
+        raise ValueError(f"partial_rotary_factor {seen['partial_rotary_factor'][1]!r} is not supported "
+                         "(only 1.0)")
     for k in sorted(set(val) - ROPE_KEYS[kind] - {"rope_theta"}):
         raise ValueError(f"{seen[k][0]} ({val[k]!r}) is not read by rope_type {kind!r}; refusing it "
                          "rather than ignoring it")

@@ -229,12 +229,15 @@ def test_hf_parity_catches_broken_variants(checkpoints, mutant, monkeypatch):
 @pytest.mark.parametrize("edit, words", [
     (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope_type 'yarn' is not supported"),
     (lambda c: c["rope_parameters"].update(rope_type="longrope"), "rope_type 'longrope'"),
-    (lambda c: c["rope_parameters"].update(mscale=1.0), "rope_parameters.mscale .* not read by rope_type 'llama3'"),
+    (lambda c: c["rope_parameters"].update(mscale=1.0),
+     "rope_parameters.mscale .* not read by rope_type 'llama3'"),
     (lambda c: c["rope_parameters"].pop("low_freq_factor"), "'llama3' needs low_freq_factor"),
     (lambda c: c["rope_parameters"].update(partial_rotary_factor=0.5), "partial_rotary_factor 0.5"),
     (lambda c: c["rope_parameters"].update(low_freq_factor=4.0), "low_freq_factor < high_freq_factor"),
-    (lambda c: c.update(rope_theta=10000.0), r"rope_parameters.rope_theta is 500000.0, but rope_theta is 10000.0"),
-    (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}), "rope_parameters.factor is 8.0, but rope_scaling.factor is 2.0"),
+    (lambda c: c.update(rope_theta=10000.0),       # a value given in both spellings must agree
+     r"rope_parameters.rope_theta is 500000.0, but rope_theta is 10000.0"),
+    (lambda c: c.update(rope_scaling={"type": "linear", "factor": 2.0}),
+     "rope_parameters.factor is 8.0, but rope_scaling.factor is 2.0"),
     (lambda c: c.update(rope_parameters=[1, 2]), "rope_parameters must be a JSON object"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
     (lambda c: c.update(model_type="gemma"), "model_type 'gemma'"),

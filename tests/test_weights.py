@@ -215,7 +215,8 @@ def test_cli_reports_errors_in_one_line_and_exits_2(tmp_path, capsys):
 
 
 @pytest.mark.parametrize("case, words", [
-    ("head_count_kv 1", r"blk.0.attn_k.weight has shape \(16, 32\), but the metadata .*head_count_kv 1.* make it \(8, 32\)"),
+    ("head_count_kv 1",
+     r"blk.0.attn_k.weight has shape \(16, 32\), but the metadata .*head_count_kv 1.* make it \(8, 32\)"),
     ("feed_forward_length 96", r"blk.0.ffn_gate.weight has shape \(64, 32\)"),
     ("key_length 4", r"blk.0.attn_q.weight has shape \(32, 32\)"),
     ("a block lacks a tensor", "lacks blk.1.ffn_up.weight"),

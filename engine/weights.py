@@ -158,7 +158,7 @@ def rope_from_hf(d: dict, head_dim: int, context: int) -> tuple[float, RopeScali
             seen[k] = (f"{field}.{key}", v)
     val = {k: v for k, (_, v) in seen.items()}
     kind = val.pop("rope_type", "default")
-    if kind not in ROPE_KEYS:
+    if not isinstance(kind, str) or kind not in ROPE_KEYS:   # subtle: a list is unhashable
         raise ValueError(f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})")
     if val.pop("partial_rotary_factor", 1.0) != 1.0:
         raise ValueError(f"partial_rotary_factor {seen['partial_rotary_factor'][1]!r} is not supported "

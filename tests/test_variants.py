@@ -229,6 +229,7 @@ def test_hf_parity_catches_broken_variants(checkpoints, mutant, monkeypatch):
 @pytest.mark.parametrize("edit, words", [
     (lambda c: c["rope_parameters"].update(rope_type="yarn"), "rope_type 'yarn' is not supported"),
     (lambda c: c["rope_parameters"].update(rope_type="longrope"), "rope_type 'longrope'"),
+    (lambda c: c["rope_parameters"].update(rope_type=["llama3"]), r"rope_type \['llama3'\]"),
     (lambda c: c["rope_parameters"].update(mscale=1.0),
      "rope_parameters.mscale .* not read by rope_type 'llama3'"),
     (lambda c: c["rope_parameters"].pop("low_freq_factor"), "'llama3' needs low_freq_factor"),

@@ -244,6 +244,24 @@ def test_gguf_whose_metadata_disagrees_with_its_tensors_is_refused_before_dequan
     assert not (tmp_path / "out").exists()
 
 
+def test_gguf_with_an_explicit_head_size_converts_and_loads(tmp_path):
+    # attention.key_length 16 with 4 heads of a 32-wide model: H x D = 64 != C
+    D = 16
+    tensors = hf_tensors()
+    for i in range(L):
+        rng = np.random.default_rng(i)
+        tensors |= {f"blk.{i}.attn_q.weight": rng.standard_normal((H * D, C)).astype(np.float32),
+                    f"blk.{i}.attn_k.weight": rng.standard_normal((HKV * D, C)).astype(np.float32),
+                    f"blk.{i}.attn_v.weight": rng.standard_normal((HKV * D, C)).astype(np.float32),
+                    f"blk.{i}.attn_output.weight": rng.standard_normal((C, H * D)).astype(np.float32)}
+    extra = lambda w: (w.add_key_length(D), w.add_value_length(D), w.add_rope_dimension_count(D))
+    ckpt = convert(write_gguf(tmp_path / "wide.gguf", tensors, extra=extra), tmp_path / "ckpt")
+    model = load_model(ckpt)
+    assert model.config.head_dim == D and model.config.dim == C
+    hf = load_file(ckpt / "model.safetensors")
+    assert np.array_equal(hf["model.layers.1.self_attn.k_proj.weight"].numpy(), tensors["blk.1.attn_k.weight"])
+
+
 # --------------------------------------------------------------------------- RoPE scaling in GGUF
 
 def llamacpp_divisors(D, theta, factor, low, high, n0):

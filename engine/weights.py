@@ -110,27 +110,33 @@ def config_from_hf(d: dict) -> LlamaConfig:
             raise ValueError(f"{k} must be true or false, got {v!r}")
         return v
 
+    # an absent field takes HF's default for the class: MistralConfig's differ from LlamaConfig's
+    mistral = d.get("model_type") == "mistral"
     C, H = count("hidden_size"), count("num_attention_heads")
     head_dim = count("head_dim", max(C // H, 1))    # H x head_dim may differ from C (explicit)
-    Hkv = count("num_key_value_heads", H)
+    Hkv = count("num_key_value_heads", 8 if mistral else H)
     if head_dim % 2 or H % Hkv:   # RoPE rotates halves; each kv head serves H/Hkv query heads
         raise ValueError(f"need an even head_dim ({head_dim}) and num_key_value_heads ({Hkv}) "
                          f"dividing num_attention_heads ({H})")
+    if d.get("quantization_config") is not None:   # packed or scaled tensors, read as plain floats
+        raise ValueError(f"quantization_config {d['quantization_config']!r:.80} is not supported "
+                         "(a float checkpoint, or a GGUF through tools.convert)")
     if get("hidden_act", "silu") != "silu":   # the MLP is SwiGLU: another activation would be ignored
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-    context = count("max_position_embeddings", 2048)
+    context = count("max_position_embeddings", 131072 if mistral else 2048)
     theta, scaling = rope_from_hf(d, head_dim, context)
     window = None
-    if d.get("model_type") == "mistral":
+    if mistral:
         for k in ("attention_bias", "mlp_bias"):   # HF's Mistral has no biases, whatever it says
             if flag(k):
                 raise ValueError(f"{k} is true, but a Mistral has no biases")
-        window = count("sliding_window", context)
+        # subtle: an absent sliding_window is MistralConfig's 4096; only an explicit null is none
+        window = 4096 if "sliding_window" not in d else count("sliding_window", context)
         window = window if window < context else None
     return LlamaConfig(
         dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
         hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"),
-        norm_eps=real("rms_norm_eps", 1e-5, 0, 1), rope_theta=theta,
+        norm_eps=real("rms_norm_eps", 1e-6, 0, 1), rope_theta=theta,
         max_seq_len=min(context, window or context), tie_embeddings=flag("tie_word_embeddings"),
         rope_scaling=scaling, head_dim=head_dim, attention_bias=flag("attention_bias"),
         mlp_bias=flag("mlp_bias"), sliding_window=window)

@@ -241,6 +241,7 @@ def test_hf_parity_catches_broken_variants(checkpoints, mutant, monkeypatch):
      "rope_parameters.factor is 8.0, but rope_scaling.factor is 2.0"),
     (lambda c: c.update(rope_parameters=[1, 2]), "rope_parameters must be a JSON object"),
     (lambda c: c.update(hidden_act="gelu"), "hidden_act 'gelu'"),
+    (lambda c: c.update(quantization_config={"quant_method": "fp8"}), "quantization_config"),
     (lambda c: c.update(model_type="gemma"), "model_type 'gemma'"),
 ])
 def test_unsupported_variants_are_refused_by_name(checkpoints, tmp_path, edit, words):
@@ -366,3 +367,20 @@ def test_configs_stay_frozen_and_hashable(checkpoints):
     assert hash(cfg) == hash(dataclasses.replace(cfg)) and cfg.head_dim == C // 4
     with pytest.raises(dataclasses.FrozenInstanceError):
         cfg.rope_scaling.factor = 2.0
+
+
+@pytest.mark.parametrize("model_type", ["llama", "mistral"])
+def test_absent_fields_take_hfs_defaults(tmp_path, model_type):
+    # Why: a config.json may leave fields out; HF then uses its class's defaults (Mistral's
+    # differ from Llama's: 8 kv heads, a 131072 context and a 4096 window), and so must we
+    required = {"model_type": model_type, "hidden_size": C, "num_attention_heads": 8,
+                "num_hidden_layers": 2, "intermediate_size": 96, "vocab_size": V}
+    (tmp_path / "config.json").write_text(json.dumps(required))
+    hf = transformers.AutoConfig.from_pretrained(tmp_path)
+    ours = load_config(tmp_path)
+    window = getattr(hf, "sliding_window", None)
+    assert (ours.norm_eps, ours.n_kv_heads, ours.head_dim, ours.rope_theta, ours.tie_embeddings) == \
+        (hf.rms_norm_eps, hf.num_key_value_heads, hf.head_dim, hf.rope_parameters["rope_theta"],
+         hf.tie_word_embeddings)
+    assert ours.max_seq_len == min(hf.max_position_embeddings, window or hf.max_position_embeddings)
+    assert ours.rope_scaling is None and hf.rope_parameters["rope_type"] == "default"

@@ -81,14 +81,16 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, work: 
                 device=None) -> Tensor:
     """RoPE's D/2 frequencies f_i = theta^(-2i/D), rescaled as HF's Llama does, in HF's order
     of operations: in fp32 they are HF's bits (tests/test_variants.py)."""
-    s = scaling or RopeScaling()
-    if s.kind == "dynamic":
+    s = scaling
+    if s is not None and s.kind == "dynamic":
         # NTK-aware: at context n, theta' = theta (factor n / n0 - (factor - 1))^(D / (D - 2)).
         # HF grows theta' only once a forward runs past n0 = max_position_embeddings; the engine
         # never does (max_seq_len <= n0), so this is HF's own value at n = n0, ~= theta
         n0 = s.original_context
         theta = theta * ((s.factor * n0 / n0) - (s.factor - 1)) ** (head_dim / (head_dim - 2))
     f = 1.0 / theta ** (torch.arange(0, head_dim, 2, device=device).to(work) / head_dim)  # (D/2,)
+    if s is None or s.kind in ("default", "dynamic"):   # dynamic: theta' is in f already
+        return f
     if s.kind == "linear":  # angle (p / factor) f_i
         return f / s.factor  # subtle: as p (f_i / factor), which HF rounds, not (p / factor) f_i
     if s.kind == "llama3":
@@ -101,7 +103,7 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, work: 
         a = (n0 / wavelen - lo) / (hi - lo)                                              # (D/2,)
         mid = (1 - a) * f / k + a * f
         return torch.where(wavelen > n0 / lo, f / k, torch.where(wavelen < n0 / hi, f, mid))
-    return f
+    raise ValueError(f"RoPE scaling {s.kind!r} is not one of default, linear, dynamic, llama3")
 
 
 def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype,

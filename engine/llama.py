@@ -232,18 +232,17 @@ class Llama(nn.Module):
         so a caller can run a model in pieces: an early exit (contrastive amateur) or the
         lower layers of a self-draft, resumed later by the upper layers.
         """
-        T = x.shape[1]
+        T, c = x.shape[1], self.config
         cached = cache.length if cache is not None else 0
         if mask is None and T > 1:  # one new row sees every key: SDPA needs no mask then
             mask = causal_mask(cached, T, x.device)                        # (T, S)
         if mask is not None and mask.shape != (T, cached + T):
             raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, cached + T)}")
-        if not 0 <= trim_layers <= self.config.n_layers:
-            raise ValueError(f"trim_layers must be in [0, {self.config.n_layers}], got {trim_layers}")
-        c = self.config
+        if not 0 <= trim_layers <= c.n_layers:
+            raise ValueError(f"trim_layers must be in [0, {c.n_layers}], got {trim_layers}")
         cos, sin = rope(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)  # (T, D) each
-        stop = self.config.n_layers if stop is None else stop
-        first_trimmed = self.config.n_layers - trim_layers
+        stop = c.n_layers if stop is None else stop
+        first_trimmed = c.n_layers - trim_layers
         for i in range(start, stop):
             rows = keep if (keep is not None and i >= first_trimmed) else None
             x = self.layers[i](x, rows, cos, sin, cache, i, mask)          # (B, T, C)

@@ -247,7 +247,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     up to COPY_MOST tokens, sent alone when its expected tokens per unit of cost beat the best
     arm tried so far); else `Auto` picks (W, G) among ARMS, a plain step included. Both price
     rows with engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)). With window or guesses
-    given, the other defaults to it and no arm is chosen; W = 0 is prompt lookup from the pool.
+    given, the other defaults to it and no arm is chosen; W = 0 with G >= 1 is prompt lookup
+    from the pool (W = G = 0 is refused: it would be plain decoding under another name).
     `trace` puts the step's window, guesses, arm and verdict in `Step.trace`.
     """
     N = DEFAULT_N if ngram is None else ngram
@@ -262,6 +263,9 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         raise ValueError("lookahead needs a prompt of at least one token")
     if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0:
         raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0; got {W!r}, {N!r}, {G!r}")
+    if W == 0 and G == 0 and not auto:   # no window and no guesses: plain decoding under another name
+        raise ValueError("window 0 with guesses 0 guesses nothing: that is plain decoding; give "
+                         "guesses >= 1 (lookup from the n-gram pool) or window >= 1")
     if 1 + (N - 1) * (W + G) > model.config.max_seq_len:   # before allocating a cache for them
         raise ValueError(f"a step of 1 + (N-1)(W+G) = {1 + (N - 1) * (W + G)} rows exceeds the "
                          f"model's context ({model.config.max_seq_len})")

@@ -4,7 +4,8 @@ Text streams to stdout as it is accepted; one stats line goes to stderr (or, wit
 JSON object goes to stdout instead). Bad input is one `error:` line on stderr and exit code 2,
 before any text is printed; so is an answer that cannot be written (stdout closed or full).
 Ctrl-C exits 130 and keeps what was streamed; a reader that closes the pipe early (`| head`)
-ends it quietly with 141, as SIGPIPE would.
+ends it quietly with 141, as SIGPIPE would. A closed stderr (`2>&-`) is taken as /dev/null,
+and one that fails drops the stats line, never the answer; --trace then exits 2.
 """
 from __future__ import annotations
 
@@ -244,12 +245,17 @@ def device(name: str) -> torch.device:
     return d
 
 
-def read_prompt(args) -> str:
+def read_prompt(args, most: int) -> str:
+    """--prompt, or stdin read to its end but never past `most` bytes (`yes |` never ends)."""
     if args.prompt is not None:
         return args.prompt
     if sys.stdin is None:
         raise ValueError("no --prompt, and stdin is closed")
-    data = sys.stdin.buffer.read() if hasattr(sys.stdin, "buffer") else sys.stdin.read().encode()
+    stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
+    data = stream.read(most + 1)
+    data = data if isinstance(data, bytes) else data.encode()
+    if len(data) > most:
+        raise ValueError(f"stdin holds more than {most:,} bytes, more text than the model's context can hold")
     try:  # decoded here, strictly: the locale's decoder may keep bad bytes as surrogates
         return data.decode("utf-8")
     except UnicodeDecodeError as e:
@@ -268,8 +274,8 @@ def bound_knobs(args, room: int, context: int) -> None:
     def clamp(name, top):
         v = getattr(args, name)
         if v is not None and v > top:
-            print(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token "
-                  f"budget can use", file=sys.stderr)
+            warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token "
+                 f"budget can use")
             setattr(args, name, top)
 
     knobs = DECODERS[args.decoder].knobs
@@ -296,7 +302,11 @@ def run(args) -> dict:
     config = load_config(ckpt)                  # validated before any weight is read
     context = config.max_seq_len
     tok = Tokenizer.load(ckpt)
-    text = read_prompt(args)
+    if tok.vocab_size > config.vocab_size:   # an id past the embedding would index no row
+        raise ValueError(f"{Path(ckpt) / 'config.json'}: vocab_size {config.vocab_size} is smaller "
+                         f"than the tokenizer's {tok.vocab_size} ids")
+    # a text of more than context x the longest token's characters cannot fit; 4 bytes a character
+    text = read_prompt(args, 4 * tok.max_text_chars)
     if not text.strip():
         raise ValueError("the prompt is empty")
     if args.raw or not tok.chat_template:   # --raw: control tokens on purpose; see --help
@@ -308,7 +318,7 @@ def run(args) -> dict:
                          f" exceeds the model's context ({context}"
                          + (", capped at its sliding window)" if config.sliding_window else ")"))
     bound_knobs(args, args.max_new_tokens, context)
-    args.cost_table = load_table(args.cost_table) if args.cost_table else None
+    args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
     second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
     if args.cost_table is None and "cost_table" in DECODERS[args.decoder].knobs:
@@ -395,9 +405,14 @@ def peak_rss_mb(reset: bool = False) -> float:
 
 def main(argv: list[str] | None = None) -> int:
     if sys.stdout is None:   # started with stdout closed (`>&-`): the answer would vanish
-        print("error: stdout is closed: the answer would be lost", file=sys.stderr)
+        warn("error: stdout is closed: the answer would be lost")
         return 2
+    stderr_closed = sys.stderr is None
+    if stderr_closed:   # `2>&-`: as 2>/dev/null. subtle: print(file=None) writes to stdout,
+        sys.stderr = open(os.devnull, "w")   # so notes would land inside the answer
     args = parser().parse_args(argv)
+    if stderr_closed and args.trace:   # the trace is the output asked for, and has nowhere to go
+        return 2
     try:
         result = run(args)
         if args.json:
@@ -411,16 +426,25 @@ def main(argv: list[str] | None = None) -> int:
         return 141
     except OSError as e:
         quiet_stdout()
-        print(f"error: {e}", file=sys.stderr)
+        warn(f"error: {e}")
         return 2
     except (ValueError, KeyError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        warn(f"error: {e}")
         return 2
     if not args.json:
-        print(stats_line(result), file=sys.stderr)
+        warn(stats_line(result))
     for line in result["notes"]:
-        print(f"note: {line}", file=sys.stderr)
+        warn(f"note: {line}")
     return 0
+
+
+def warn(line: str) -> None:
+    """One line on stderr, if stderr can take it: a full or broken stderr (2>/dev/full) must
+    not turn a finished answer into a traceback. (--trace's writes are not this: they fail.)"""
+    try:
+        print(line, file=sys.stderr, flush=True)
+    except (OSError, ValueError):
+        pass
 
 
 def stats_line(r: dict) -> str:

@@ -688,7 +688,7 @@ def main(argv: list[str] | None = None) -> int:
     try:
         check_model(args)
         result = run(args)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:   # OSError: a checkpoint file that cannot be read, too
         print(f"tools.bench: error: {e}", file=sys.stderr)
         return 2
     result["command"] = "python -m tools.bench " + shlex.join(sys.argv[1:] if argv is None else argv)

@@ -105,7 +105,7 @@ def main(argv: list[str] | None = None) -> int:
             result["paths"][name] = split(model, prompt, args.steps, args.repeats)
         if not args.json:
             out_dir(args.out)
-    except (FileNotFoundError, ValueError) as e:
+    except (OSError, ValueError) as e:   # OSError: a checkpoint file that cannot be read, too
         print(f"tools.split: error: {e}", file=sys.stderr)
         return 2
     if args.json:

@@ -12,6 +12,7 @@ and pipes need a subprocess. Each key property is also run against a broken vari
 """
 import copy
 import errno
+import io
 import json
 import os
 import shutil
@@ -24,6 +25,7 @@ from pathlib import Path
 import gguf
 import numpy as np
 import pytest
+import torch
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import tools.convert
@@ -563,3 +565,332 @@ def test_two_first_conversions_at_once_both_succeed(tmp_path):
     results = [p.communicate(timeout=60) for p in ps]
     assert [p.returncode for p in ps] == [0, 0], results
     assert files_under(tmp_path) == sorted(["x.gguf", "out"] + [f"out/{f}" for f in os.listdir(tmp_path / "out")])
+
+
+# =========================================================================== second round (issue 29)
+# The doors added since the first round: the proof tool, the cost table and its cache, stderr
+# and the trace, and what the first round missed elsewhere.
+
+# --------------------------------------------------------------------------- the proof tool
+
+SAMPLERS = '''
+import itertools, os, sys, time
+def exits(p, q, drafts): sys.exit(0)
+def hard_exit(p, q, drafts): os._exit(0)
+def hangs(p, q, drafts): time.sleep(3600)
+def hog(p, q, drafts): return [0] * 10**12
+def endless(p, q, drafts): return itertools.count()
+CONSTANT = 3
+'''
+
+
+@pytest.fixture(scope="module")
+def samplers(tmp_path_factory):
+    """A directory of hostile sampler files: each door of `file.py:function` a user may knock on."""
+    d = tmp_path_factory.mktemp("samplers")
+    (d / "samplers.py").write_text(SAMPLERS)
+    (d / "syntax.py").write_text("def verify(p, q, drafts:\n")
+    (d / "raises.py").write_text("raise RuntimeError('needs a GPU')\n")
+    (d / "quits.py").write_text("import sys\nsys.exit(0)\n")
+    return d
+
+
+def prove_main(argv):
+    from tools.prove import main
+    return main(argv)
+
+
+PROVE_LOAD_CASES = {   # the sampler cannot be loaded: bad input, exit 2
+    "a syntax error": ("syntax.py:verify", "SyntaxError"),
+    "an exception at import": ("raises.py:verify", "needs a GPU"),
+    "sys.exit at import": ("quits.py:verify", "SystemExit"),
+    "a missing file": ("nope.py:verify", "no such file"),
+    "a relative module name": (".samplers:exits", "relative"),
+    "not a function": ("samplers.py:CONSTANT", "not a function"),
+}
+
+
+@pytest.mark.parametrize("case", PROVE_LOAD_CASES)
+def test_a_sampler_that_cannot_be_loaded_is_one_line(samplers, capsys, case):
+    spec, words = PROVE_LOAD_CASES[case]
+    if not spec.startswith("."):
+        spec = str(samplers / spec)
+    assert words in one_error_line(prove_main, [spec, "--mode", "stat", "--samples", "10"], capsys)
+
+
+PROVE_FLAG_CASES = {   # bounds judged before any sampler runs: exit 2 in a blink
+    "10^9 samples": (["engine-rejection", "--mode", "stat", "--samples", "1000000000"], "--samples"),
+    "10^9 tokens": (["engine-rejection", "--tokens", "1000000000"], "V^n"),
+    "10^9 vocab": (["engine-rejection", "--vocab", "1000000000"], "V^n"),
+    "10^9 draft length": (["engine-rejection", "--draft-len", "1000000000"], "--draft-len"),
+    "a seed past 2^64": (["engine-rejection", "--seed", str(2**70)], "--seed"),
+    "a NaN time limit": (["engine-rejection", "--time-limit", "nan"], "--time-limit"),
+    "a negative planted bias": (["planted:-0.1", "--mode", "stat"], "planted:TV"),
+    "a NaN planted bias": (["planted:nan", "--mode", "stat"], "planted:TV"),
+    "a misspelled planted direction": (["planted:0.01:unifrom", "--mode", "stat"], "planted:TV"),
+    "a planted bias that is not a number": (["planted:abc", "--mode", "stat"], "planted:TV"),
+}
+
+
+@pytest.mark.parametrize("case", PROVE_FLAG_CASES)
+def test_a_proof_flag_past_its_bound_is_one_line(capsys, case):
+    argv, words = PROVE_FLAG_CASES[case]
+    assert words in one_error_line(prove_main, argv, capsys, seconds=5)
+
+
+def test_a_stat_run_past_the_time_limit_is_refused_after_its_pilot(capsys):
+    # Why: "run it and see" is no answer when 10^7 runs take an hour; the first 50 are timed,
+    # the rest projected, and the refusal says how long it would have taken
+    line = one_error_line(prove_main, ["engine-rejection", "--mode", "stat", "--samples", "10000000",
+                                       "--time-limit", "5"], capsys)
+    assert "would take about" in line and "--time-limit" in line
+
+
+PROVE_NO_VERDICT_CASES = {   # the sampler never lets a verdict be reached: exit 3, never 0
+    "sys.exit(0) while sampling": (["samplers.py:exits"], "sys.exit(0)"),
+    "os._exit(0) while sampling": (["samplers.py:hard_exit"], "process ended (exit code 0)"),
+    "a hang": (["samplers.py:hangs", "--time-limit", "2"], "within --time-limit 2 s"),
+    "an allocation of terabytes": (["samplers.py:hog"], "memory"),
+}
+
+
+@pytest.mark.parametrize("case", PROVE_NO_VERDICT_CASES)
+def test_a_sampler_that_prevents_a_verdict_is_exit_3_with_the_reason(samplers, capsys, case):
+    # Why: a certification tool must never print or imply a verdict it did not reach
+    (spec, *rest), words = PROVE_NO_VERDICT_CASES[case]
+    argv = [str(samplers / spec), "--mode", "stat", "--samples", "100", *rest]
+    assert words in one_error_line(prove_main, argv, capsys, code=3, seconds=20)
+
+
+def test_without_the_child_process_a_sampler_exit_would_end_the_tool_with_0(samplers):
+    # the broken variant: certify() in the tool's own process; sys.exit(0) inside the sampler
+    # unwinds through it as SystemExit(0), which `python -m tools.prove` would exit 0 with
+    from tools import prove
+    with pytest.raises(SystemExit) as e:
+        prove.certify(str(samplers / "samplers.py:exits"), "stat", 4, 2, 2, Sampler(1.0), 10, 0)
+    assert e.value.code == 0
+
+
+def test_an_endless_verifier_answer_is_a_bounded_fail(samplers, capsys):
+    # Why: itertools.count() as the verifier's tokens once filled the memory; it is read up to
+    # K + 2 tokens and fails, a verdict the tool did reach (exit 1)
+    t0 = time.monotonic()
+    got = prove_main([str(samplers / "samplers.py:endless"), "--mode", "stat", "--samples", "100"])
+    out, err = capsys.readouterr()
+    assert got == 1 and "| FAIL |" in out and "more than K + 1" in out and time.monotonic() - t0 < 20
+
+
+def test_an_answer_is_read_at_most_k_plus_2_tokens_where_list_reads_them_all():
+    # the bound, against its broken variant (list() pulls every token the iterable has)
+    from tools.prove import answer
+    pulled = []
+    tokens = lambda: (pulled.append(i) or 0 for i in range(10**5))  # noqa: E731
+    with pytest.raises(ValueError, match="more than K"):
+        answer(tokens(), 2)
+    assert len(pulled) == 4
+    pulled.clear()
+    list(tokens())
+    assert len(pulled) == 10**5
+
+
+# --------------------------------------------------------------------------- the cost table
+
+def cost_json(ratios: dict) -> str:
+    return json.dumps({"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in ratios.items()}}})
+
+
+COST_TABLE_CASES = {   # name -> (what to write, or a special kind; words in the line)
+    "an empty path": ("", "empty path"),
+    "a file that never ends": ("/dev/zero", "not a regular file"),
+    "a FIFO nobody writes": ("fifo", "not a regular file"),
+    "a directory": ("dir", "not a regular file"),
+    "a file past 1 MiB": (" " * (1 << 20) + cost_json({1: 1.0}), "larger than"),
+    "deeply nested JSON": ("[" * 100000, "not a forward-cost JSON"),
+    "a zero cost": (cost_json({1: 1.0, 2: 0.0}), "ratios in [0.5"),
+    "a near-zero cost": (cost_json({1: 1e-9, 2: 1e-9}), "ratios in [0.5"),
+    "a NaN cost": (cost_json({1: 1.0, 2: float("nan")}), "ratios in [0.5"),
+    "a row of k = 0": (cost_json({0: 1.0, 1: 1.0}), "k >= 1"),
+}
+
+
+@pytest.mark.parametrize("case", COST_TABLE_CASES)
+def test_a_hostile_cost_table_is_one_line(ckpt, tmp_path, capsys, case):
+    what, words = COST_TABLE_CASES[case]
+    if what == "fifo":
+        os.mkfifo(path := tmp_path / "table.json")
+    elif what == "dir":
+        (path := tmp_path / "table.json").mkdir()
+    elif what in ("", "/dev/zero"):
+        path = what
+    else:
+        (path := tmp_path / "table.json").write_text(what)
+    line = one_error_line(run_main, ["--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "4",
+                                     "--decoder", "lookahead", "--cost-table", str(path)], capsys, seconds=5)
+    assert words in line
+
+
+def test_a_plain_open_of_a_fifo_nobody_writes_would_hang(tmp_path):
+    # the broken variant: open() without O_NONBLOCK waits for a writer that never comes
+    import threading
+    os.mkfifo(fifo := tmp_path / "fifo")
+    t = threading.Thread(target=lambda: open(fifo, "rb").read(), daemon=True)
+    t.start()
+    t.join(1)
+    assert t.is_alive()              # still waiting after a second
+    with open(fifo, "wb"):           # unblock it: a writer comes and goes
+        pass
+    t.join(5)
+    assert not t.is_alive()
+
+
+def test_a_relative_xdg_cache_home_leaves_nothing_in_the_working_directory(ckpt, tmp_path, monkeypatch, capsys):
+    # Why: the XDG spec says a relative XDG_CACHE_HOME is to be ignored; taken as is it puts a
+    # cache/engine/cost-*.json wherever the command happened to run
+    (work := tmp_path / "work").mkdir()
+    monkeypatch.chdir(work)
+    monkeypatch.setenv("XDG_CACHE_HOME", "cache")
+    monkeypatch.setenv("HOME", str(tmp_path / "home"))
+    assert run_main(["--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "2",
+                     "--decoder", "lookahead"]) == 0
+    capsys.readouterr()
+    assert files_under(work) == [] and list((tmp_path / "home/.cache/engine").glob("cost-*.json"))
+    # the broken variant: the old expression names a folder inside the working directory
+    assert not Path(os.environ.get("XDG_CACHE_HOME") or Path.home() / ".cache").is_absolute()
+
+
+# --------------------------------------------------------------------------- stderr and the trace
+
+def run_with_stderr(ckpt, stderr, *extra):
+    """engine.run with fd 2 closed ("closed") or pointed at a file; -> (exit code, stdout)."""
+    args = ["--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "4", *extra]
+    if stderr == "closed":
+        p = subprocess.Popen([sys.executable, "-m", "engine.run", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=subprocess.DEVNULL, preexec_fn=lambda: os.close(2))
+    else:
+        p = subprocess.Popen([sys.executable, "-m", "engine.run", *args], cwd=ROOT, stdout=subprocess.PIPE,
+                             stderr=open(stderr, "wb"))
+    out, _ = p.communicate(timeout=60)
+    return p.returncode, out
+
+
+@pytest.fixture(scope="module")
+def answer_text(ckpt):
+    p = engine_run(["--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "4"])
+    out, _ = p.communicate(timeout=60)
+    return out
+
+
+@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+def test_a_closed_or_full_stderr_leaves_the_answer_alone(ckpt, answer_text, stderr):
+    # Why: with fd 2 closed, print(file=sys.stderr) is print(file=None), which writes to
+    # stdout: the stats line landed inside the answer; a full stderr was a traceback
+    code, out = run_with_stderr(ckpt, stderr)
+    assert code == 0 and out == answer_text
+
+
+@pytest.mark.parametrize("stderr", ["closed", "/dev/full"])
+def test_a_trace_that_cannot_be_written_is_exit_2(ckpt, stderr):
+    # --trace asks for stderr output; with nowhere to put it the run must not pass for done
+    code, out = run_with_stderr(ckpt, stderr, "--trace")
+    assert code == 2
+
+
+def test_print_to_a_closed_stderr_writes_into_stdout(capsys, monkeypatch):
+    # the broken variant of the stats line with fd 2 closed (Python sets sys.stderr to None)
+    monkeypatch.setattr(sys, "stderr", None)
+    print("[plain] 4 tokens", file=sys.stderr)
+    assert capsys.readouterr().out == "[plain] 4 tokens\n"
+
+
+def test_a_long_traced_contrastive_run_prints_one_bounded_block_a_step(endless, capsys):
+    # Why: a trace is read by people; 300 steps must stay 300 short lines, in a few seconds
+    t0 = time.monotonic()
+    assert run_main(["--checkpoint", str(endless), "--prompt", "hi", "--max-new-tokens", "300",
+                     "--decoder", "contrastive", "--amateur", "layers:1", "--trace", "--json"]) == 0
+    out, err = capsys.readouterr()
+    steps = [l for l in err.splitlines() if l.startswith("#")]
+    assert len(steps) == json.loads(out)["n_tokens"] == 300 and max(map(len, steps)) < 200
+    assert time.monotonic() - t0 < 60
+
+
+# --------------------------------------------------------------------------- streams, files, knobs
+
+class Endless(io.RawIOBase):
+    """A stdin that never ends (`yes |`, `< /dev/zero`); counts the bytes it served."""
+    served = 0
+
+    def readable(self):
+        return True
+
+    def readinto(self, b):
+        b[:] = b"y\n" * (len(b) // 2) + b"y" * (len(b) % 2)
+        self.served += len(b)
+        return len(b)
+
+
+def test_stdin_that_never_ends_is_one_line_after_a_bounded_read(ckpt, capsys, monkeypatch):
+    # Why: the prompt must fit the context; more than context x the longest token's characters
+    # (x 4 bytes) cannot, so reading stops there instead of filling the memory
+    raw = Endless()
+    monkeypatch.setattr(sys, "stdin", io.TextIOWrapper(io.BufferedReader(raw)))
+    line = one_error_line(run_main, ["--checkpoint", str(ckpt)], capsys)
+    most = 4 * Tokenizer.load(ckpt).max_text_chars       # bytes, plus what a buffer reads ahead
+    assert "stdin holds more than" in line and raw.served <= most + 1 + 2 * io.DEFAULT_BUFFER_SIZE
+
+
+def unreadable(path: Path, monkeypatch):
+    """Make `path` unreadable: mode 000, and where that does not stop us (root reads anyway),
+    its reads raise the PermissionError the kernel gives everyone else."""
+    path.chmod(0)
+    if os.access(path, os.R_OK):
+        real = Path.read_bytes
+        monkeypatch.setattr(Path, "read_bytes", lambda p: (_ for _ in ()).throw(
+            PermissionError(errno.EACCES, "Permission denied", str(p))) if p == path else real(p))
+
+
+@pytest.mark.parametrize("tool", ["run", "bench", "split"])
+def test_an_unreadable_checkpoint_file_is_one_line(ckpt, tmp_path, capsys, monkeypatch, tool):
+    d = shutil.copytree(ckpt, tmp_path / "ckpt")
+    unreadable(d / "config.json" if tool != "split" else d / "tokenizer_config.json", monkeypatch)
+    if tool == "run":
+        main, argv = run_main, ["--checkpoint", str(d), "--prompt", "hi"]
+    elif tool == "bench":
+        from tools.bench import main
+        argv = ["--checkpoint", str(d), "--forward-cost", "--out", str(tmp_path / "out")]
+    else:
+        from tools.split import main
+        argv = ["--checkpoint", str(d), "--out", str(tmp_path / "out")]
+    assert "ermission denied" in one_error_line(main, argv, capsys)
+    assert not (tmp_path / "out").exists()
+
+
+def test_window_0_is_refused_not_run_as_plain(ckpt, capsys):
+    # Why: W = 0 with G = 0 guesses nothing; it ran as plain decoding under lookahead's name
+    line = one_error_line(run_main, ["--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "4",
+                                     "--decoder", "lookahead", "--window", "0"], capsys)
+    assert "plain decoding" in line
+    from engine import lookahead
+    with pytest.raises(ValueError, match="plain decoding"):
+        next(lookahead.decode(tiny_llama(0), [1, 2], sampler=Sampler(), rng=Random(0), max_new_tokens=4, window=0))
+    # W = 0 with guesses is the documented lookup from the n-gram pool, and runs
+    steps = lookahead.decode(tiny_llama(0), [1, 2], sampler=Sampler(), rng=Random(0), max_new_tokens=4,
+                             window=0, guesses=1)
+    assert next(steps).tokens
+
+
+def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(ckpt, tmp_path, capsys):
+    # Why: an id past the embedding's rows is an IndexError deep in the forward (a CUDA assert
+    # on a GPU); the tokenizer and the config must agree before anything runs
+    d = shutil.copytree(ckpt, tmp_path / "ckpt")
+    tj = json.loads((d / "tokenizer.json").read_text())
+    V = json.loads((d / "config.json").read_text())["vocab_size"]
+    tj["added_tokens"].append({"id": V, "content": "<|tool|>", "single_word": False, "lstrip": False,
+                               "rstrip": False, "normalized": False, "special": True})
+    (d / "tokenizer.json").write_text(json.dumps(tj))
+    line = one_error_line(run_main, ["--checkpoint", str(d), "--prompt", "<|tool|>", "--raw",
+                                     "--max-new-tokens", "4"], capsys)
+    assert "vocab_size" in line and "config.json" in line
+    # the broken variant: the id reaches the embedding
+    assert Tokenizer.load(d).encode("<|tool|>") == [V]
+    with pytest.raises(IndexError):
+        load_model(d)(torch.tensor([[V]]), torch.arange(1))

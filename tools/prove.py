@@ -250,6 +250,8 @@ def planted(law: dict, tv: float, toward: str, V: int, n: int):
     toward "mode": Q = all mass on the likeliest outcome (the always-accept kind of bias);
     toward "uniform": Q = uniform over P's support (a too-flat sampler).
     """
+    if not (math.isfinite(tv) and tv >= 0) or toward not in ("mode", "uniform"):
+        raise ValueError(f"planted:{tv}:{toward}: want planted:TV[:mode|uniform] with TV a number >= 0")
     keys = sorted(law)
     P = torch.tensor([law[s] for s in keys], dtype=torch.float64)
     if toward == "mode":
@@ -257,8 +259,6 @@ def planted(law: dict, tv: float, toward: str, V: int, n: int):
     else:
         Q = (P > 0).double() / (P > 0).sum()
     span = 0.5 * float((Q - P).abs().sum())
-    if not (math.isfinite(tv) and tv >= 0) or toward not in ("mode", "uniform"):
-        raise ValueError(f"planted:{tv}:{toward}: want planted:TV[:mode|uniform] with TV a number >= 0")
     if tv > span:
         raise ValueError(f"a planted bias of TV {tv} toward {toward} needs TV(P, Q) >= {tv}, have {span:.4f}")
     Pd = P + tv * (Q - P) / span if tv else P

@@ -139,6 +139,8 @@ class Attention(nn.Module):
         qkv, bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.attention_bias
         self.wqkv = nn.Linear(cfg.dim, qkv, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
+        # the kernel: SDPA, or one whose rows round alike however many share a call (packed.py)
+        self.attend = F.scaled_dot_product_attention
 
     def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
                 cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:
@@ -154,7 +156,7 @@ class Attention(nn.Module):
             q, mask = q[:, :, rows], mask if mask is None else mask[rows]  # (B, H, Tq, D)
         Tq = q.shape[2]
         # softmax(q k^T / sqrt(D) + log mask) v, each kv head shared by H / Hkv query heads
-        y = F.scaled_dot_product_attention(q, k, v, attn_mask=mask, enable_gqa=True)  # (B, H, Tq, D)
+        y = self.attend(q, k, v, attn_mask=mask, enable_gqa=True)                      # (B, H, Tq, D)
         return self.wo(y.transpose(1, 2).reshape(B, Tq, H * D))                        # (B, Tq, C)
 
 

@@ -112,12 +112,16 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
     the model is fp32 or bf16 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
 
-    batch_invariant: run one-row inputs as two rows so that a row's matmul outputs never
-    depend on how many rows shared its forward. Off by default: the two-row kernel makes a
-    one-row step 9-27% slower here, and attention sums are not row-invariant anyway (a
-    verified row sees its keys at other cache slots, so SIMD lanes add them in another order).
+    batch_invariant: a row's outputs never depend on how many rows shared its forward: one-row
+    matmuls run as two rows (oneDNN's two-row kernel rounds as its k-row one), and on bf16
+    activations (bf16, --int4) attention is `invariant_attention`. There, with torch's int4
+    kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
+    Off by default: it makes a one-row step slower (docs/speed.md).
     """
     m = 2 if batch_invariant else 1
+    if batch_invariant and model.tok_embeddings.weight.dtype == torch.bfloat16:
+        for block in model.layers:
+            block.attention.attend = invariant_attention
     if not can_prepack(model.tok_embeddings.weight):
         return model
     swap_projections(model, lambda weight: PackedLinear(weight, m))
@@ -127,6 +131,32 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     else:  # the embedding table stays for lookups; the head reads its packed copy
         model.packed_head = PackedLinear(model.tok_embeddings.weight, m)
     return model
+
+
+def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
+                        enable_gqa: bool = True) -> Tensor:
+    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for bf16 q (B, H, T, D), k, v (B, Hkv, S, D),
+    with each row's bits independent of the other rows and of the keys it may not see.
+
+    SDPA's CPU kernel is not: it walks keys in blocks whose bounds depend on the call's shape,
+    so a verified row (k rows, masked, its keys at other slots) rounds apart from plain's one
+    row. Here every reduction over keys ignores masked keys exactly: bf16 matmuls (oneDNN,
+    fp32 accumulation in key order, measured invariant to row count and to zero weights at
+    any slot), the max (exact), and the softmax sum by cumsum (one sequential sum by its
+    definition: a 0 added anywhere changes nothing; `.sum` measured invariant here too, but
+    promises no order). Rows of a kv head's group go to one matmul: no repeated K/V. fp32
+    matmuls (MKL) are not row-invariant, so fp32 models keep SDPA (tests/test_packed.py).
+    """
+    B, H, T, D = q.shape
+    Hkv = k.shape[1]
+    g = H // Hkv
+    qg = (q * D ** -0.5).reshape(B, Hkv, g * T, D)                    # (B, Hkv, gT, D), head h -> h // g
+    s = (qg @ k.transpose(-1, -2)).float()                            # (B, Hkv, gT, S)
+    if attn_mask is not None:
+        s = s.masked_fill(~attn_mask.repeat(g, 1), float("-inf"))     # mask (T, S) -> (gT, S)
+    e = (s - s.amax(-1, keepdim=True)).exp()                          # exp(s - max): masked keys 0
+    p = e / e.cumsum(-1)[..., -1:]                                    # subtle: cumsum, not sum
+    return (p.to(q.dtype) @ v).view(B, H, T, D)                       # (B, H, T, D)
 
 
 def can_prepack(w: Tensor) -> bool:

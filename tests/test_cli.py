@@ -127,6 +127,36 @@ def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, ca
     assert out["draft"] == want and (out["draft_mb"] > 0) == (want == "int4")
 
 
+INT4_EXACT = ["--int4", "--dtype", "bfloat16", "--batch-invariant"]
+
+
+@real
+@pytest.mark.parametrize("name", ["lookahead", "lookahead trimmed", "speculative", "speculative coupled",
+                                  "contrastive beta=0", "lookup"])
+def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
+    # Why: on --int4 a k-row forward used to round a row apart from plain's one-row forward, so
+    # decoders left plain's tokens (4 prompts in 10 kept them). With --batch-invariant every
+    # kernel rounds a row alike however many share the call (int4 matmuls, the head, and
+    # packed.invariant_attention), so the 4-bit path is exact against its own plain, here and
+    # under the second kernel dispatch of `make test`.
+    decoder = GREEDY_DECODERS.get(name, ["--decoder", name])
+    for prompt in (PROMPT, "List five fruits and their colours."):
+        argv = ["--prompt", prompt, "--max-new-tokens", "40"] + INT4_EXACT
+        plain = run_json(argv, capsys)
+        other = run_json(argv + decoder, capsys)
+        assert other["tokens"] == plain["tokens"] and other["exact_path"]
+
+
+@real
+def test_batch_invariant_int4_speculative_sampling_is_plains_with_the_seed(capsys):
+    # Why: coupled verification promises plain sampling's tokens for the seed; on the exact
+    # 4-bit path that promise now holds too
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "2"] + INT4_EXACT
+    plain = run_json(argv, capsys)
+    spec = run_json(argv + ["--decoder", "speculative", "--verify", "coupled", "--num-draft", "3"], capsys)
+    assert spec["tokens"] == plain["tokens"]
+
+
 @real
 def test_streamed_text_equals_the_json_text(capsys):
     argv = ["--prompt", "Say hi in French.", "--max-new-tokens", "12"]

@@ -120,3 +120,58 @@ def test_int4_refuses_what_it_cannot_pack():
         packed.Int4Linear(torch.randn(64, 48))
     with pytest.raises(ValueError, match="float32"):
         packed.quantize_int4(tiny_llama(0))    # float64
+
+
+# --------------------------------------------------------------------------- attention
+
+def chain_and_gaps(S: int, T: int):
+    """A k-row mask two ways: a causal chain after S - T cached keys (speculative, lookup), and
+    the same rows with 5 masked keys between the cache and them (lookahead's window slots)."""
+    n = S - T
+    chain = torch.arange(S)[None, :] <= (n + torch.arange(T))[:, None]            # (T, S)
+    gaps = torch.cat([chain[:, :n], torch.zeros(T, 5, dtype=torch.bool), chain[:, n:]], 1)  # (T, S + 5)
+    return chain, gaps
+
+
+@pytest.mark.parametrize("S", [37, 300, 700])
+def test_invariant_attention_rows_round_as_one_row_does(S):
+    # Why: a decoder's verified row must get plain's bits, though it shares its forward with
+    # other rows and its keys sit beside masked ones; plain computes it alone, unmasked.
+    g = torch.Generator().manual_seed(S)
+    H, Hkv, D, T = 9, 3, 64, 8
+    q = torch.randn(1, H, T, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
+    chain, gaps = chain_and_gaps(S, T)
+    junk = lambda x: torch.cat([x[:, :, :S - T], torch.randn(1, Hkv, 5, D, generator=g).bfloat16(), x[:, :, S - T:]], 2)
+    rows = packed.invariant_attention(q, k, v, attn_mask=chain)                     # (1, H, T, D)
+    gapped = packed.invariant_attention(q, junk(k), junk(v), attn_mask=gaps)
+    for t in range(T):                     # plain: row t alone, over its own keys [0, S - T + t]
+        alone = packed.invariant_attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1])
+        assert torch.equal(rows[:, :, t:t + 1], alone) and torch.equal(gapped[:, :, t:t + 1], alone)
+    # and it is the attention SDPA computes, to bf16 rounding
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=chain,
+                                                           enable_gqa=True)
+    assert (rows.float() - ref).abs().max() < 0.02
+
+
+def test_sdpa_and_fp32_matmuls_fail_the_row_invariance_test():
+    # the broken variants: SDPA itself (its key blocks depend on the call's shape) and the same
+    # math with fp32 matmuls (MKL picks its kernel by row count) must be caught
+    g = torch.Generator().manual_seed(700)
+    S, H, Hkv, D, T = 700, 9, 3, 64, 8
+    q = torch.randn(1, H, T, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
+    chain, gaps = chain_and_gaps(S, T)
+    junk = lambda x: torch.cat([x[:, :, :S - T], torch.randn(1, Hkv, 5, D, generator=g).bfloat16(), x[:, :, S - T:]], 2)
+    kj, vj = junk(k), junk(v)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+
+    def fp32(q, k, v, attn_mask=None, enable_gqa=True):
+        return packed.invariant_attention(q.float(), k.float(), v.float(), attn_mask)
+    for broken in (sdpa, fp32):
+        rows = broken(q, k, v, attn_mask=chain, enable_gqa=True)
+        gapped = broken(q, kj, vj, attn_mask=gaps, enable_gqa=True)
+        alone = [broken(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], enable_gqa=True)
+                 for t in range(T)]
+        assert not all(torch.equal(rows[:, :, t:t + 1], a) and torch.equal(gapped[:, :, t:t + 1], a)
+                       for t, a in enumerate(alone)), broken

@@ -190,11 +190,12 @@ def one_row_seconds(model: Llama, context: int) -> float:
 
 def model_key(model: Llama) -> str:
     """What a measured price depends on: CPU, kernel dispatch, threads, torch, device, dtype,
-    matmul kind and model shape."""
+    matmul and attention kernels, and model shape."""
     w = model.tok_embeddings.weight
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                               torch.__version__, w.device, w.dtype,
-                              type(model.layers[0].feed_forward.w13).__name__, model.config)))
+                              type(model.layers[0].feed_forward.w13).__name__,
+                              model.layers[0].attention.attend.__name__, model.config)))
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,

@@ -229,7 +229,8 @@ CONFIGS = {
 # int4 draft (`speculative int4 adaptive`, what --draft auto takes where it pays)
 DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 # a config is compared with plain, unless it runs on another model: then with plain on that one
-BASELINE = {"lookahead auto --int4": "plain --int4"}
+BASELINE = {"lookahead auto --int4": "plain --int4",
+            "lookahead auto --int4 --batch-invariant": "plain --int4 --batch-invariant"}
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
@@ -626,8 +627,12 @@ def run(args: argparse.Namespace) -> dict:
             # the inexact --int4 mode as one more row: its speed, and how often it agrees
             q = prepack(quantize_int4(load_model(args.checkpoint)))
             configs["plain --int4"] = lambda p: decode_once(q, p, CONFIGS["plain"], args.max_new_tokens, eos)
-            configs["lookahead auto --int4"] = lambda p: decode_once(q, p, CONFIGS["lookahead auto"],
-                                                                     args.max_new_tokens, eos)
+            # the exact 4-bit path, where every decoder prints int4 plain's tokens: its speed counts
+            qx = prepack(quantize_int4(load_model(args.checkpoint)), batch_invariant=True)
+            configs["plain --int4 --batch-invariant"] = lambda p: decode_once(qx, p, CONFIGS["plain"],
+                                                                              args.max_new_tokens, eos)
+            configs["lookahead auto --int4 --batch-invariant"] = lambda p: decode_once(
+                qx, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
             # the same 4-bit model as speculative's draft, the fp32 target deciding: fp32's tokens
             configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))
             result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)

@@ -43,7 +43,7 @@ test: weights
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*),
-# then where a plain step's time goes (bench-out/split.*). LLAMA_CPP=path/to/llama-cli adds
+# then where a plain step's time goes (bench-out/split.*). LLAMA_CPP=path/to/llama-completion adds
 # llama.cpp's plain greedy on the same GGUF to the first table.
 bench: weights
 	$(PY) -m tools.bench $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP))

@@ -69,6 +69,7 @@ def modes(checkpoint: Path) -> dict[str, Llama]:
     """The inexact modes the CLI offers, built as engine.run builds them."""
     from engine.weights import load_model
     return {"int4 (4-bit layers, bf16)": prepack(quantize_int4(load_model(checkpoint))),
+            "int4 --batch-invariant": prepack(quantize_int4(load_model(checkpoint)), batch_invariant=True),
             "bf16": prepack(load_model(checkpoint, dtype=torch.bfloat16))}
 
 

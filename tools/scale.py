@@ -1,4 +1,4 @@
-"""What to expect on bigger Llamas: one-row step time against the memory roof, and the cost of
+"""What to expect on bigger Llamas: one-row step time against the memory read roof, and the cost of
 a k-row forward, measured with random weights of real shapes (no checkpoint needed).
 
     python -m tools.scale [--shapes smollm2-135m llama-3.2-1b llama-3.2-3b] [--int4]
@@ -45,14 +45,16 @@ def measure(cfg: LlamaConfig, int4: bool, repeats: int) -> dict:
     layer_bytes = weight_bytes(cfg) - 4 * (cfg.vocab_size * cfg.dim + cfg.dim)
     nbytes = int(layer_bytes * 0.5625 / 4 + 2 * cfg.vocab_size * cfg.dim) if int4 else weight_bytes(cfg)
     bw = bandwidth(repeats=3)
+    # a step only reads its weights: the read roof (a sum over memory) bounds it; a copy also
+    # writes, so the copy roof (the bench's) is the looser measure a step can beat
+    roof = nbytes / (bw["read_gbps"] * 1e9) * 1e3                     # ms
     return {"weight_mb": round(nbytes / 1e6), "ms": {k: round(v, 2) for k, v in ms.items()},
-            "ratio": {k: round(ms[k] / ms[1], 2) for k in KS}, "copy_gbps": bw["copy_gbps"],
-            "roof_ms": round(nbytes / (bw["copy_gbps"] * 1e9) * 1e3, 2),
-            "fraction_of_roof": round(nbytes / (bw["copy_gbps"] * 1e9) * 1e3 / ms[1], 2)}
+            "ratio": {k: round(ms[k] / ms[1], 2) for k in KS}, **bw,
+            "roof_ms": round(roof, 2), "fraction_of_roof": round(roof / ms[1], 2)}
 
 
 def markdown(result: dict) -> str:
-    rows = ["| model | path | weights MB | one row ms | roof ms | of roof | "
+    rows = ["| model | path | weights MB | one row ms | read roof ms | of roof | "
             + " | ".join(f"{k} rows" for k in KS[1:]) + " |", "|---" * (5 + len(KS)) + "|"]
     for name, r in result["shapes"].items():
         rows.append(f"| {name.split(' ')[0]} | {name.split(' ', 1)[1]} | {r['weight_mb']:,} | {r['ms'][1]:.1f} | "

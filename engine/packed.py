@@ -159,6 +159,20 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     return (p.to(q.dtype) @ v).view(B, H, T, D)                       # (B, H, T, D)
 
 
+def rows_round_alike(model: Llama, k: int = 8) -> bool:
+    """Whether this model's row-wise kernels round a row alike in a one-row and a k-row call on
+    this CPU: one layer's projections and the head, on random rows. True of torch's int4 kernel
+    and oneDNN's bf16 and fp32 ones here (AVX-512 and the AVX2 dispatch); a CPU whose kernel
+    picks another path by row count (AMX's, say) answers False, and its k-row forwards may
+    then leave plain's tokens. The attention is not probed: invariant_attention is so built."""
+    x = torch.randn(k, model.config.dim, generator=torch.Generator().manual_seed(0))
+    x = x.to(model.tok_embeddings.weight)
+    layers = [model.layers[0].attention.wqkv, model.layers[0].feed_forward.w13,
+              model.packed_head or (lambda h: model.head(h[None])[0])]
+    with torch.inference_mode():
+        return all(torch.equal(f(x), torch.cat([f(x[i:i + 1]) for i in range(k)])) for f in layers)
+
+
 def can_prepack(w: Tensor) -> bool:
     """oneDNN takes fp32 on any x86 CPU, bf16 only where the CPU has bf16 conversions."""
     # subtle: an AVX2-only CPU (or a VM that hides AVX-512) has no oneDNN bf16 path; reordering

@@ -31,7 +31,7 @@ from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
 from engine.draft import resident_bytes
 from engine.generate import Stats, generate
-from engine.packed import prepack, quantize_int4
+from engine.packed import invariant_attention, prepack, quantize_int4, rows_round_alike
 from engine.sampling import Random, Sampler
 from engine.speculative import SelfDraft, pays
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -355,7 +355,7 @@ def run(args) -> dict:
     # decoder that verifies k rows may leave plain's tokens (tools/fidelity.py bounds the mode),
     # unless --batch-invariant makes bf16 activations' kernels row-invariant (packed.prepack)
     exact = not args.int4 and args.dtype in ("float32", "float64") or \
-        args.batch_invariant and args.dtype == "bfloat16" and args.device == "cpu"
+        model.layers[0].attention.attend is invariant_attention and rows_round_alike(model)
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,

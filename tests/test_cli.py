@@ -143,6 +143,8 @@ def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
     for prompt in (PROMPT, "List five fruits and their colours."):
         argv = ["--prompt", prompt, "--max-new-tokens", "40"] + INT4_EXACT
         plain = run_json(argv, capsys)
+        if not plain["exact_path"]:   # this CPU's int4 or bf16 kernel rounds by row count
+            pytest.skip("packed.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
         other = run_json(argv + decoder, capsys)
         assert other["tokens"] == plain["tokens"] and other["exact_path"]
 
@@ -153,6 +155,8 @@ def test_batch_invariant_int4_speculative_sampling_is_plains_with_the_seed(capsy
     # 4-bit path that promise now holds too
     argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "2"] + INT4_EXACT
     plain = run_json(argv, capsys)
+    if not plain["exact_path"]:
+        pytest.skip("packed.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
     spec = run_json(argv + ["--decoder", "speculative", "--verify", "coupled", "--num-draft", "3"], capsys)
     assert spec["tokens"] == plain["tokens"]
 

@@ -175,3 +175,22 @@ def test_sdpa_and_fp32_matmuls_fail_the_row_invariance_test():
                  for t in range(T)]
         assert not all(torch.equal(rows[:, :, t:t + 1], a) and torch.equal(gapped[:, :, t:t + 1], a)
                        for t, a in enumerate(alone)), broken
+
+
+def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
+    # Why: the CLI calls a --batch-invariant run exact only where this probe says the kernels
+    # round rows alike; a kernel that takes another path for one row must make it say False
+    from engine.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64)
+    torch.manual_seed(0)
+    q = packed.prepack(packed.quantize_int4(Llama(cfg).float().requires_grad_(False)), batch_invariant=True)
+    assert packed.rows_round_alike(q)
+    class OneRowApart(torch.nn.Module):       # the broken variant: one row rounds another way
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * (1 + 2 ** -7 * (x.shape[0] == 1))
+    q.layers[0].feed_forward.w13 = OneRowApart(q.layers[0].feed_forward.w13)
+    assert not packed.rows_round_alike(q)

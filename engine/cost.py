@@ -1,19 +1,14 @@
-"""The adaptive decoders' price list: what a forward costs, in units of a one-row forward.
+"""This machine's prices for the adaptive choices (engine/policy.py), measured once and kept.
 
-Lookahead picks its arm (plain, a copy, a window size) and speculative decoding its draft
-length K by expected tokens per unit of cost. The cost comes from this fixed model, never
-from the wall clock, so the choice depends only on the tokens seen so far: the same command,
-seed and machine print the same tokens on every path, including the inexact ones (bf16,
-int4) whose k-row forwards round differently from one-row forwards.
+    cost(k rows) / cost(1 row)       a k-row forward of this model: `calibrated(model)`
+    t(draft row) / t(target row)     a draft token: `draft_price(target, draft)`
 
-    cost(k rows) = 1 + slope * (k - 1)              a forward of k rows, one row = 1
-
-Where it comes from, in the order a caller meets it:
-- `calibrated(model)`: this machine's own table, measured once (about 2 s) and kept on disk;
-  the CLI uses it, so the price list fits the device and still never moves between runs;
-- `--cost-table FILE`: a table measured by `python -m tools.bench --forward-cost`;
-- otherwise (the Python API) a slope by matmul kind and CPU dispatch, measured on the machines
-  of README's speed section: flat-ish on AVX-512, steep on AVX2 (the slope below).
+Each is measured on first use (about 2 s), kept in ~/.cache/engine/ under a key naming the
+CPU, dispatch, threads, torch, dtype, kernels and model, and read back by every later run, so
+the prices fit the machine yet never move between runs: the same command, seed and machine
+print the same tokens on every path, the inexact ones (bf16, int4) included. A table can also
+be given (`load_table`: `python -m tools.bench --forward-cost`'s JSON). Without one, the
+policy falls back to fixed slopes by matmul kind and CPU dispatch (policy.SLOPE).
 """
 from __future__ import annotations
 
@@ -31,44 +26,6 @@ import torch
 
 from engine.kvcache import KVCache
 from engine.llama import Llama
-
-SLOPE = {          # (matmul kind, torch's CPU dispatch) -> extra cost of each row past the first
-    ("PackedLinear", "AVX512"): 0.03,   # oneDNN, reordered weights, Zen 4: 8 rows ~ 1.2x one row
-    ("PackedLinear", "AVX2"): 0.10,     # the same on an AVX2-only EPYC: 8 rows 1.74x
-    ("Int4Linear", "AVX512"): 0.08,     # torch's int4 kernel: 8 rows ~ 1.6x
-    ("Int4Linear", "AVX2"): 0.27,       # 8 rows 2.9x
-    ("Linear", "AVX512"): 0.06,         # nn.Linear (MKL repacks per call): 8 rows ~ 1.4x
-    ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows
-}
-UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
-DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
-    ("Int4Linear", "AVX512"): 0.41,     # the target's weights in 4 bits, Zen 4 (SmolLM2-135M; draft_price)
-    ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
-}
-
-
-def row_cost(model: Llama, table: dict[int, float] | None = None) -> Callable[[int], float]:
-    """k -> cost of a k-row forward of `model`, one row = 1 (linear between table points)."""
-    if table:
-        return lambda k: interpolate(table, k)
-    kind = (type(model.layers[0].feed_forward.w13).__name__, torch.backends.cpu.get_cpu_capability())
-    if model.tok_embeddings.weight.device.type == "cuda":
-        kind = ("cuda", "")
-    slope = SLOPE.get(kind, UNKNOWN_SLOPE)
-    return lambda k: 1 + slope * (max(k, 1) - 1)
-
-
-def interpolate(table: dict[int, float], k: int) -> float:
-    ks = sorted(table)
-    if k <= ks[0]:
-        return table[ks[0]]
-    for a, b in zip(ks, ks[1:]):
-        if k <= b:
-            return table[a] + (table[b] - table[a]) * (k - a) / (b - a)
-    a, b = ks[-2:] if len(ks) > 1 else (ks[0], ks[0])   # past the last point: the last slope
-    slope = (table[b] - table[a]) / (b - a) if b > a else 0.0
-    return table[b] + slope * (k - b)
-
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
 
@@ -115,15 +72,6 @@ def read_small(path: Path) -> bytes:
     if len(data) > MAX_TABLE_BYTES:
         raise OSError(f"larger than {MAX_TABLE_BYTES:,} bytes")
     return data
-
-
-def layer_share(model: Llama, layers: int) -> float:
-    """The share of a one-row forward's weight reads spent in layers [0, layers) (the rest:
-    the other layers and the LM head), from the model's shapes: one-row steps read weights."""
-    c = model.config
-    per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim \
-        + 3 * c.dim * c.hidden_dim                                     # wqkv, wo, w13, w2
-    return layers * per_layer / (c.n_layers * per_layer + c.vocab_size * c.dim)
 
 
 # --------------------------------------------------------------------------- this machine's table

@@ -1,17 +1,20 @@
-"""The one decoder registry: name -> its decode function, the knobs it takes, its second model.
+"""The one decoder registry: name -> its decode function, its knobs, its second model, its policy.
 
 The CLI (engine/run.py), the benchmark and the quality report (tools/) all read this table.
 Adding a decoder is a module with `decode(model, [second,] prompt, *, sampler, rng,
 max_new_tokens, trace=False, **knobs) -> Iterator[Step]`, one line here, a flag per knob in
 engine/run.py, and its tests (README, "Adding a decoder"; engine/lookup.py is the worked example).
-Every decoder takes `trace`: the CLI passes --trace to all of them.
+Every decoder takes `trace`: the CLI passes --trace to all of them. A decoder that can adapt
+also takes `policy=` (None: its textbook loop with fixed knobs), built by `policy` here from
+the models, the prices (engine/policy.py, Prices) and the knobs given.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
 from typing import Callable
 
-from engine import contrastive, lookahead, lookup, speculative
+from engine import contrastive, lookahead, lookup, policy, speculative
+from engine.draft import SelfDraft
 from engine.generate import plain
 
 
@@ -21,14 +24,16 @@ class Decoder:
     knobs: tuple[str, ...] = ()     # decode()'s keyword knobs; the CLI flag is --knob-name
     second: str | None = None       # the flag naming its second model: a checkpoint or layers:L
     early_exit: Callable = int      # layers:L -> what decode() takes for an early exit of the target
+    policy: Callable | None = None  # (model, [second,] prices, knobs) -> what decode(policy=) takes
 
 
 DECODERS = {
     "plain": Decoder(plain),
-    "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers", "cost_table")),
-    "speculative": Decoder(speculative.decode, ("num_draft", "verify", "adaptive", "cost_table", "draft_cost"), "draft",
-                           speculative.SelfDraft),
+    "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers"),
+                         policy=policy.for_lookahead),
+    "speculative": Decoder(speculative.decode, ("num_draft", "verify"), "draft", SelfDraft,
+                           policy.for_speculative),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
                                                 "speculative", "num_draft"), "amateur"),
-    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens", "adaptive", "cost_table")),
+    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens"), policy=policy.for_lookup),
 }

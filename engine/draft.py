@@ -4,20 +4,31 @@ them. Speculative decoding calls them draft and target, contrastive decoding ama
 The cheap model is another Llama with its own cache, or an early exit: the target's own layers
 [0, L), read out through its final norm and LM head (a self-draft: Zhang et al. 2023, arXiv
 2309.08168, skip layers; LayerSkip, Elhoushi et al. 2024, arXiv 2404.16710, exits early, as
-here). Layer i's K/V
-depend only on layers < i, so an early exit's K/V *are* the target's: both share one cache,
-and the target's check resumes from the draft's layer-L stream, computing only layers [L, n).
+here). Layer i's K/V depend only on layers < i, so an early exit's K/V *are* the target's:
+both share one cache, and the target's check resumes from the draft's layer-L stream,
+computing only layers [L, n).
 
     draft = int4_copy(target)                         # the target's own weights in 4 bits, or
-    pair = pair_for(target, draft, capacity)          # draft: any Llama, or an int L
+    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama, or an int L
     pair.propose(tokens, positions) -> (V,)           # the draft's logits after the last token
     pair.verify(tokens, positions, rows) -> (rows, V) # the target's logits at the last rows
     pair.rollback(n)                                  # forget every slot from n on
     draft_then_verify(pair, seq, k, sampler, rng, stream)   # both decoders' step, up to the verdict
+
+An early exit's one cache, slots x layers (L = 2 of 4), after the committed a b: the draft
+was fed the last token c and its first draft d1, and proposed d1 and d2 (# final K/V,
+d written by the draft's layers, . not yet written):
+
+    layer   a b c d1 d2
+      3     # # . .  .      verify: `lower` feeds d2 (it has no layer-L stream yet), then
+      2     # # . .  .      `upper` runs c d1 d2 through layers [L, 4) from the streams kept
+      1     # # d d  .      in `hidden`, writing the dots; rollback(n) keeps slots < n, all
+      0     # # d d  .      final (base = n)
 """
 from __future__ import annotations
 
 import copy
+from dataclasses import dataclass
 
 import torch
 from torch import Tensor
@@ -26,6 +37,11 @@ from engine.kvcache import KVCache
 from engine.llama import Llama
 from engine.packed import quantize_int4
 from engine.sampling import Random, Sampler
+
+
+@dataclass(frozen=True)
+class SelfDraft:
+    layers: int   # the draft is the target's layers [0, layers), then its final norm and LM head
 
 
 def int4_copy(target: Llama) -> Llama:
@@ -84,7 +100,7 @@ class EarlyExit:
     draft_seen = property(lambda self: self.cache.length)
 
     def _lower(self, tokens: Tensor, positions: Tensor) -> Tensor:
-        x = self.target.lower(tokens, positions, self.cache, self.L)               # (1, T, C)
+        x = lower(self.target, tokens, positions, self.cache, self.L)              # (1, T, C)
         self.hidden.append(x)
         return x
 
@@ -98,12 +114,33 @@ class EarlyExit:
         if fed < tokens.shape[1]:                     # the last draft has no layer-L state yet
             self._lower(tokens[:, fed:], positions[fed:])
         x, self.hidden = torch.cat(self.hidden, 1), []                             # (1, T, C)
-        x = self.target.upper(x, positions, self.cache, self.base, self.L)         # (1, T, C)
+        x = upper(self.target, x, positions, self.cache, self.base, self.L)        # (1, T, C)
         return self.target.head(x[:, -rows:])[0]                                   # (rows, V)
 
     def rollback(self, n: int) -> None:
         self.cache.truncate(n)
         self.base = n
+
+
+def lower(model: Llama, tokens: Tensor, positions: Tensor, cache: KVCache, L: int) -> Tensor:
+    """Layers [0, L) of tokens (B, T) -> their layer-L stream (B, T, C): an early exit.
+
+    Advances cache.length past the T slots, so a next call sees their K/V of layers < L,
+    which are final (they depend on the tokens alone). Layers >= L at those slots stay
+    stale until `upper` writes them.
+    """
+    x = model.blocks(model.tok_embeddings(tokens), positions, cache, stop=L)
+    cache.length += tokens.shape[1]
+    return x
+
+
+def upper(model: Llama, x: Tensor, positions: Tensor, cache: KVCache, start: int, L: int) -> Tensor:
+    """Layers [L, n_layers) of the layer-L stream x (B, T, C) of slots [start, start + T),
+    resuming `lower`; leaves cache.length at start + T. Returns x (B, T, C)."""
+    cache.length = start
+    x = model.blocks(x, positions, cache, start=L)
+    cache.length = start + x.shape[1]
+    return x
 
 
 def pair_for(target: Llama, draft: Llama | int, capacity: int, scratch: int) -> Separate | EarlyExit:

@@ -92,8 +92,9 @@ def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
         positions = torch.arange(n, n + tokens.shape[1], device=device)
         logits = model(tokens, positions, cache, keep=[-1])                  # (1, 1, V)
         x = sampler.draw(logits[0, -1], rng, "token", cache.length)
-        yield Step([x], trace={"kind": "plain", "position": cache.length, "token": x,
-                               "p": float(sampler.probs(logits[0, -1])[x])} if trace else None)
+        yield Step([x], trace={"kind": "plain", "position": cache.length, "token": x, "greedy": sampler.greedy,
+                               "p": float(sampler.probs(logits[0, -1])[x]),               # the law's
+                               "p_model": float(logits[0, -1].float().softmax(-1)[x])} if trace else None)
         tokens = torch.tensor([[x]], device=device)
 
 

@@ -231,8 +231,8 @@ class Llama(nn.Module):
         """Run layers [start, stop) on the residual stream x (B, T, C); returns x (B, T, C).
 
         Writes K/V of those layers at slots [cache.length, +T) but leaves cache.length alone,
-        so a caller can run a model in pieces: an early exit (contrastive amateur) or the
-        lower layers of a self-draft, resumed later by the upper layers.
+        so a caller can run a model in pieces: an early exit (engine/draft.py's lower and
+        upper: a self-draft's layers, resumed later by the target's).
         """
         T, c = x.shape[1], self.config
         cached = cache.length if cache is not None else 0
@@ -248,27 +248,6 @@ class Llama(nn.Module):
         for i in range(start, stop):
             rows = keep if (keep is not None and i >= first_trimmed) else None
             x = self.layers[i](x, rows, cos, sin, cache, i, mask)          # (B, T, C)
-        return x
-
-    @torch.inference_mode()
-    def lower(self, tokens: Tensor, positions: Tensor, cache: KVCache, L: int) -> Tensor:
-        """Layers [0, L) of tokens (B, T) -> their layer-L stream (B, T, C): an early exit.
-
-        Advances cache.length past the T slots, so a next call sees their K/V of layers < L,
-        which are final (they depend on the tokens alone). Layers >= L at those slots stay
-        stale until `upper` writes them.
-        """
-        x = self.blocks(self.tok_embeddings(tokens), positions, cache, stop=L)
-        cache.length += tokens.shape[1]
-        return x
-
-    @torch.inference_mode()
-    def upper(self, x: Tensor, positions: Tensor, cache: KVCache, start: int, L: int) -> Tensor:
-        """Layers [L, n_layers) of the layer-L stream x (B, T, C) of slots [start, start + T),
-        resuming `lower`; leaves cache.length at start + T. Returns x (B, T, C)."""
-        cache.length = start
-        x = self.blocks(x, positions, cache, start=L)
-        cache.length = start + x.shape[1]
         return x
 
     @torch.inference_mode()

@@ -16,13 +16,14 @@ Choices where LADE and llama.cpp differ (small samples below; the benchmark has 
   accepted token (llama.cpp) keeps positions aligned but needs filler tokens, and did no better:
   SmolLM2-135M, 6 chat prompts x 64 greedy tokens, 1.43 vs 1.41 tokens/forward (W5 N4 G5),
   1.43 vs 1.38 (W7 N5 G7); tiny random models: within 0.05 either way.
-- A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1);
-  a copy step, up to COPY_MOST + 1.
+- A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1).
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
 - The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
   first guess is prompt lookup's (engine/lookup.py), matched on the last N-1 tokens, not x alone.
-- The automatic choice adds a copy arm (engine/lookup.py, Priced): on 14 bench prompts priced
-  by an AVX2 EPYC's cost table, median tokens per unit of cost 1.00 -> 1.11 (docs/speed.md).
+- A policy (engine/policy.py) may send a copy of the text instead (up to 8 tokens, so up to 9
+  per forward), or fewer columns: on 14 bench prompts priced by an AVX2 EPYC's cost table,
+  median tokens per unit of cost 1.00 -> 1.11 (docs/speed.md). The columns it does not send
+  keep their levels until it sends them again.
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
 is `generate()`'s job), so an EOS may sit in the window like any other token.
@@ -35,11 +36,10 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from engine.cost import row_cost
 from engine.generate import Step
 from engine.kvcache import KVCache
 from engine.llama import Llama
-from engine.lookup import Priced, find
+from engine.lookup import find
 from engine.sampling import Random, Sampler, verify_match
 
 
@@ -167,103 +167,37 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 
 # --------------------------------------------------------------------------- decoder
 
-DEFAULT_N = 4                          # n-gram size when --ngram is not given (make bench: N4 beat N5 here)
-# (W, G) arms of `Auto`, cheap to costly: a plain step, then Jacobi windows with G pool guesses.
-# Prompt lookup is the copy arm, priced apart, per step (engine/lookup.py, Priced): its match
-# length varies from step to step, which a per-arm average cannot see. Pool-only arms (W = 0,
-# G = 1 or 4) were never chosen beside it (14 bench prompts, 64 tokens each), so they went.
-ARMS = ((0, 0), (2, 2), (3, 3), (5, 5))
-COPY_MOST = 8                          # the copy arm guesses at most this many tokens (lookup's K)
-
-
-class Auto:
-    """Pick (W, G) per step by expected tokens per unit of cost; a plain step is one of the arms.
-
-        value(arm) = decayed tokens its steps emitted / decayed cost of their forwards
-        choose: an arm unchosen for patience * (c - 1) steps (c = its nominal cost; untried
-                arms count from step 0), cheap to costly, else the arm of highest value
-    Costs come from engine/cost.py (rows -> units of a one-row forward), never the clock, so
-    the schedule depends on the tokens alone and a rerun takes the same arms. Every arm is
-    exact, so on an exact path the schedule moves the speed, never the tokens. A try spends
-    at most c - 1 extra units and comes at most once every patience * (c - 1) steps:
-    exploration costs at most 1/patience of a plain step per step and per arm (1% each at
-    100). Where rows are cheap (a GPU: c = 1.055 for W2 G2's 12 rows) a window is first tried
-    at Auto's 6th step; where they are dear (an AVX2 EPYC's table: c = 1.67) at its 68th, so
-    a short chat answer never pays to learn that. Copy steps are not Auto's and not counted.
-    """
-
-    def __init__(self, arms, cost, n: int, decay: float = 0.8, patience: int = 100):
-        self.arms, self.cost, self.decay = arms, cost, decay
-        # rows if every guess is there: x takes the window's first cell, or sits alone
-        self.nominal = [cost((n - 1) * (w + g) + (w == 0)) for w, g in arms]
-        self.wait = [max(1, round(patience * (c - 1))) for c in self.nominal]
-        # subtle: a one-row arm (plain) has nothing to learn: 1 token for 1 unit, known, never retried
-        plain = [w + g == 0 for w, g in arms]
-        self.tokens = [float(p) for p in plain]
-        self.spent = [float(p) for p in plain]
-        self.last = [0 if p else -1 for p in plain]
-        self.wait = [10**9 if p else w for p, w in zip(plain, self.wait)]
-        self.step = 0
-
-    def value(self, a: int) -> float:
-        return self.tokens[a] / max(self.spent[a], 1e-9)
-
-    def best(self) -> float:
-        """The highest value of the arms tried so far (at least plain's 1)."""
-        return max(self.value(a) for a in range(len(self.arms)) if self.last[a] >= 0)
-
-    def choose(self) -> int:
-        self.step += 1
-        for a in sorted(range(len(self.arms)), key=self.nominal.__getitem__):
-            if self.step - max(self.last[a], 0) > self.wait[a]:
-                return a                          # not tried for long, or never
-        return max(range(len(self.arms)), key=self.value)
-
-    def update(self, arm: int, tokens: int, rows: int) -> None:
-        self.tokens[arm] = self.decay * self.tokens[arm] + tokens
-        self.spent[arm] = self.decay * self.spent[arm] + self.cost(rows)
-        self.last[arm] = self.step
-
-
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
-           window: int | None = None, ngram: int | None = None, guesses: int | None = None,
-           trim_layers: int = 0, cost_table: dict[int, float] | None = None,
-           trace: bool = False) -> Iterator[Step]:
+           window: int = 5, ngram: int = 4, guesses: int | None = None, trim_layers: int = 0,
+           policy=None, trace: bool = False) -> Iterator[Step]:
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
-        pool <- n-grams of prompt; window <- N-1 levels x W copied from prompt; x <- prompt[-1]
+        pool <- n-grams of prompt; levels <- N-1 levels x W copied from prompt; x <- prompt[-1]
         loop:
-            (auto) candidates <- [Priced's copy] if it pays; else (W, G) <- Auto's arm
-            rows   <- [x] + window + trie(candidates(x))     under one tree mask, P = pos(x)
+            rows   <- [x] + levels + trie(G guesses for x)     under one tree mask, P = pos(x)
             logits <- model(rows), kept only at x, the newest level and the trie
-            y      <- verify_match(logits[x], logits[trie], candidates)  # 1..N tokens (copy: 1..9)
+            y      <- verify_match(logits[x], logits[trie], guesses)    # 1..N tokens
             cache  <- cache + x + rows of the guess that y follows     # y[-1] is not cached
             pool   += (window column + argmax of its newest row) for each column, y's n-grams
-            window <- window[1:] + [argmax of newest level];  x <- y[-1];  yield y
+            levels <- levels[1:] + [argmax of newest level];  x <- y[-1];  yield y
 
-    `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens accepted
-    (> 0 iff a guess hit). `trim_layers` freezes the window's older levels in the last layers.
-    With window and guesses both None, each step first prices prompt lookup's copy (`Priced`:
-    up to COPY_MOST tokens, sent alone when its expected tokens per unit of cost beat the best
-    arm tried so far); else `Auto` picks (W, G) among ARMS, a plain step included. Both price
-    rows with engine/cost.py (or `cost_table`, k -> cost(k)/cost(1)). With window or guesses
-    given, the other defaults to it and no arm is chosen; W = 0 with G >= 1 is prompt lookup
-    from the pool (W = G = 0 is refused: it would be plain decoding under another name).
-    `trace` puts the step's window, guesses, arm and verdict in `Step.trace`.
+    W = `window` columns, N = `ngram`, G = `guesses` (default W). `Step.drafted` counts the guess
+    rows verified, `Step.accepted` the guess tokens accepted (> 0 iff a guess hit);
+    `trim_layers` freezes the window's older levels in the last layers. W = 0 with G >= 1 is
+    prompt lookup from the pool (W = G = 0 is refused: plain decoding under another name).
+    `policy` (engine/policy.py, Lookahead) chooses each step instead: a copy of the text sent
+    alone, a plain step, or the first W' <= W columns and G' guesses; columns not sent pause.
+    `trace` puts the step's levels, guesses, choice and verdict in `Step.trace`.
     """
-    N = DEFAULT_N if ngram is None else ngram
-    cost = row_cost(model, cost_table)
-    auto = Auto(ARMS, cost, N) if window is None and guesses is None else None
-    copier = Priced(cost, N, COPY_MOST) if auto else None
-    W = window if window is not None else guesses
-    G = guesses if guesses is not None else window
-    if auto:
-        W, G = max(w for w, _ in ARMS), max(g for _, g in ARMS)   # capacity for the largest arm
+    N, W = ngram, window
+    G = W if guesses is None else guesses
+    if policy:                                    # room for the largest choice it can make
+        W, G = policy.most_window, policy.most_guesses
     if not prompt:
         raise ValueError("lookahead needs a prompt of at least one token")
     if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0:
         raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0; got {W!r}, {N!r}, {G!r}")
-    if W == 0 and G == 0 and not auto:   # no window and no guesses: plain decoding under another name
+    if W == 0 and G == 0:   # no window and no guesses: plain decoding under another name
         raise ValueError("window 0 with guesses 0 guesses nothing: that is plain decoding; give "
                          "guesses >= 1 (lookup from the n-gram pool) or window >= 1")
     if 1 + (N - 1) * (W + G) > model.config.max_seq_len:   # before allocating a cache for them
@@ -272,56 +206,51 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
         raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
-    rows = max((N - 1) * (W + G), COPY_MOST if auto else 0)
-    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + rows, scratch=rows)
+    scratch = max((N - 1) * (W + G), policy.copy_most if policy else 0)
+    cache = KVCache.for_model(model, len(prompt) + max_new_tokens + scratch, scratch=scratch)
     pool = Pool(G, N)
     pool.add_text(prompt)
-    grid = init_window(prompt, W, N)
-    if auto:                                           # the prefill step is a plain one
-        W, G, grid = 0, 0, [[] for _ in grid]
+    levels = init_window(prompt, W, N)                 # N-1 levels x W columns
     text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
     while True:
-        room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can still use
-        copy = copier.guess(text, auto.best(), room)[0] if auto and not prefix else []
-        arm = auto.choose() if auto and not prefix and not copy else None
-        if arm is not None or copy:
-            W, G = ARMS[arm] if arm is not None else (0, 1)
-            fill = (text[-W:] * W)[:W]                 # new columns start from recent text
-            grid = [(level + fill)[:W] for level in grid]
-        cands = [tuple(copy)] if copy else candidates(pool, text, G, N) if G else []
-        tokens, parent, newest, paths = layout(x, grid, cands)
-        keep = sorted({0, *newest, *range((N - 1) * W, len(tokens))})
+        w, g, copy = W, G, []
+        if policy:   # the prefill step is a plain one
+            room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can use
+            w, g, copy = policy.choose(text, room) if not prefix else (0, 0, [])
+        grams = [tuple(copy)] if copy else candidates(pool, text, g, N) if g else []
+        sent = [level[:w] for level in levels]         # columns >= w pause this step
+        tokens, parent, newest, paths = layout(x, sent, grams)
+        keep = sorted({0, *newest, *range((N - 1) * w, len(tokens))})
         # subtle: for m > 1 trimmed layers, frozen prompt rows would cache K/V computed from a
         # stale residual; one trimmed layer is exact (its K/V come from an up-to-date input)
         trim = min(trim_layers, 1) if prefix else trim_layers
         base = cache.length + len(prefix)                             # slot and position of x
         logits = forward(model, cache, prefix, tokens, parent, keep, trim)  # (len(keep), V)
         at = {r: i for i, r in enumerate(keep)}
-        L = len(cands[0]) if cands else 0                             # N-1, or the copy's length
+        span = len(grams[0]) if grams else 0                          # N-1, or the copy's length
         idx = torch.tensor([[at[r] for r in path] for path in paths], dtype=torch.long)
-        rows = logits[idx.view(len(cands), L).to(logits.device)]      # (G', L, V)
-        cand = torch.tensor(cands, dtype=torch.long).view(len(cands), L)  # (G', L)
+        rows = logits[idx.view(len(grams), span).to(logits.device)]   # (G', span, V)
+        cand = torch.tensor(grams, dtype=torch.long).view(len(grams), span)  # (G', span)
         out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
         m = len(out) - 1                                              # guess tokens accepted
         cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
+        arm = "" if not policy else "copy" if copy else f"W{w} G{g}" if w + g else "plain"
         info = None
         if trace:   # before the window moves: the rows this forward saw
-            info = {"kind": "lookahead", "position": base + 1, "prefill": len(prefix), "x": x,
-                    "N": N, "arm": "copy" if copy else ARMS[arm] if arm is not None else None,
-                    "window": [l[:] for l in grid],
-                    "parent": parent, "guesses": cands, "best": best, "accepted": m, "next": out[-1]}
-        if W:                                                         # the window moves on
-            new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (W,) argmax, even sampling
-            grid = advance(pool, grid, x, new)
+            info = {"kind": "lookahead", "position": base + 1, "prefill": len(prefix), "x": x, "N": N,
+                    "arm": arm, "levels": sent, "parent": parent, "grams": grams, "best": best,
+                    "accepted": m, "next": out[-1]}
+        if w:                                                         # the sent columns move on
+            new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (w,) argmax, even sampling
+            levels = [moved + level[w:] for moved, level in zip(advance(pool, sent, x, new), levels)]
             if trace:
                 info["minted"] = new
         text += out
         pool.add_text(text, len(text) - len(out))
-        if arm is not None:
-            auto.update(arm, len(out), len(tokens))
+        if policy and not prefix:
+            policy.update(len(out), len(tokens))
         prefix, x = [], out[-1]
-        yield Step(out, drafted=len(tokens) - max((N - 1) * W, 1), accepted=m, trace=info,
-                   arm="copy" if copy else "" if arm is None else "plain" if W + G == 0 else f"W{W} G{G}")
+        yield Step(out, drafted=len(tokens) - max((N - 1) * w, 1), accepted=m, trace=info, arm=arm)
 
 
 def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, ...]]:

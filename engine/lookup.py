@@ -9,9 +9,9 @@ This file is the README's "adding a decoder" example: a `decode` generator yield
 per target forward, one line in engine/decoders.py, a flag per knob in engine/run.py
 (--lookup-ngram, --lookup-tokens) and tests/test_lookup.py. The drafts are checked with
 `verify_match`, so the output is plain decoding's, greedy or sampled with the same seed.
-`Priced` cuts the guess to the length that pays for its rows (`adaptive`, the CLI's default;
-lookahead's copy arm prices its guesses the same way), so a text that does not repeat decodes
-at plain's pace.
+A policy (engine/policy.py, CopyLength; the CLI's default) cuts each guess to the length that
+pays for its rows, as lookahead's copy arm does, so a text that does not repeat decodes at
+plain's pace.
 But: a linear scan for the match (llama.cpp keeps an n-gram map), one guess per step.
 """
 from __future__ import annotations
@@ -20,7 +20,6 @@ from typing import Iterator
 
 import torch
 
-from engine.cost import row_cost
 from engine.generate import Step
 from engine.kvcache import KVCache
 from engine.llama import Llama
@@ -41,71 +40,14 @@ def find(text: list[int], ngram: int, k: int) -> tuple[list[int], int, int]:
     return [], 0, -1
 
 
-PRIOR = (0.5, 1.0)       # (agreed, checked) before any check: an unseen position agrees 1 in 2
-
-
-class Priced:
-    """Prompt lookup's guess, cut to the length that pays for its rows (lookahead's copy arm).
-
-    Each step proposes find()'s `most` tokens. Every proposal, sent or not, is checked against
-    the tokens that followed it: greedy or sampled, a sent guess is accepted exactly that far
-    (verify_match; on exact paths), so this shadow check is free and no step is spent
-    exploring. By match length n and guess position j:
-
-        p[n, j] = (agreed + 1/2) / (checked + 1)      P(token j agrees | tokens < j agreed)
-        E(L)    = 1 + sum_{j<L} prod_{i<=j} p[n, i]     tokens a forward with L guessed emits
-        L*      = argmax_L E(L) / cost(1 + L), or no guess when that is <= beat (plain's 1)
-    The counts depend on the tokens alone, so the same text gets the same guesses, every run.
-    """
-
-    def __init__(self, cost, ngram: int = 4, most: int = 8):
-        self.cost, self.ngram, self.most = cost, ngram, most
-        self.checked: dict[tuple[int, int], int] = {}
-        self.agreed: dict[tuple[int, int], int] = {}
-        self.pending: list[tuple[int, int, list[int]]] = []   # (text position, n, proposal)
-
-    def guess(self, text: list[int], beat: float = 1.0,
-              room: int | None = None) -> tuple[list[int], int, int]:
-        """find()'s (guess, n, start), the guess cut to its priced length: [] unless its expected
-        tokens per unit of cost beat `beat` (a plain step's 1, or the best other arm's value);
-        at most `room` tokens (a guess past the budget buys nothing)."""
-        self.learn(text)
-        full, n, start = find(text, self.ngram, self.most)
-        if full:
-            self.pending.append((len(text), n, full))
-        full = full[:room]
-        best, cut, tokens, alive = beat, 0, 1.0, 1.0
-        for j in range(len(full)):
-            alive *= (self.agreed.get((n, j), 0) + PRIOR[0]) / (self.checked.get((n, j), 0) + PRIOR[1])
-            tokens += alive
-            if tokens / self.cost(j + 2) > best:
-                best, cut = tokens / self.cost(j + 2), j + 1
-        return full[:cut], n, start
-
-    def learn(self, text: list[int]) -> None:
-        """Check each proposal against the tokens that followed it, once they decide it."""
-        waiting = []
-        for at, n, full in self.pending:
-            after = text[at:at + len(full)]
-            j = next((i for i, (a, b) in enumerate(zip(full, after)) if a != b), len(after))
-            if j == len(after) < len(full):                  # agrees so far, not yet decided
-                waiting.append((at, n, full))
-                continue
-            for i in range(min(j + 1, len(full))):           # positions 0..j were checked
-                self.checked[n, i] = self.checked.get((n, i), 0) + 1
-                self.agreed[n, i] = self.agreed.get((n, i), 0) + (i < j)
-        self.pending = waiting
-
-
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
-           lookup_ngram: int = 3, lookup_tokens: int = 8, adaptive: bool = False,
-           cost_table: dict[int, float] | None = None, trace: bool = False) -> Iterator[Step]:
+           lookup_ngram: int = 3, lookup_tokens: int = 8, policy=None, trace: bool = False) -> Iterator[Step]:
     """Prompt lookup decoding (Saxena 2023), one yield per forward; greedy or sampled, exact.
 
         text <- prompt
         loop:
             g <- the K tokens after the latest earlier match of text[-n:], n = N..1 ([] if none)
-            adaptive: g <- g[:L], L priced by `Priced` (L = 0: a plain step)
+            policy: g <- g[:L], L = policy.length(...) (L = 0: a plain step)
             logits <- model(text[-1] + g), causal, rows after the cache        # 1 + len(g) rows
             y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix
             cache <- drop the rows of the rejected guesses;  text += y;  yield y
@@ -118,11 +60,11 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + K, scratch=K)
     device = model.tok_embeddings.weight.device
     text, end = list(prompt), len(prompt) + max_new_tokens
-    priced = Priced(row_cost(model, cost_table), lookup_ngram, K) if adaptive else None
     while True:
         n = len(text)                                     # position of the first new token
         room = min(K, max(end - n - 1, 0))
-        guess, m, start = priced.guess(text, room=room) if priced else find(text, lookup_ngram, room)
+        full, m, start = find(text, lookup_ngram, K)
+        guess = full[:policy.length(text, full, m, room=room) if policy else room]
         feed = text[cache.length:] + guess                # the whole prompt at first, then the last token
         positions = torch.arange(cache.length, cache.length + len(feed), device=device)
         logits = model(torch.tensor([feed], device=device), positions, cache,

@@ -29,11 +29,11 @@ import torch
 
 from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
-from engine.draft import resident_bytes
+from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, generate
 from engine.packed import invariant_attention, prepack, quantize_int4, rows_round_alike
+from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
-from engine.speculative import SelfDraft, pays
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.trace import Tracer, traced
 from engine.weights import DTYPES, default_checkpoint, load_config, load_model
@@ -42,7 +42,7 @@ AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report cho
 
 
 class Parser(argparse.ArgumentParser):
-    """The engine's CLIs (run, bench, quality) answer bad flags in one line, with exit code 2."""
+    """Bad flags in one line, with exit code 2 (tools/cli.py does the same for the tools)."""
 
     def error(self, message):
         self.exit(2, f"error: {message}\n")
@@ -107,10 +107,14 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--cost-table", metavar="JSON",
                    help="k-row forward costs for the adaptive choices, as written by `python -m tools.bench "
                         "--forward-cost` (default: this machine's, measured once into ~/.cache/engine/)")
-    g = p.add_argument_group("lookahead (None = chosen automatically)")
-    g.add_argument("--window", type=int, help="W, Jacobi window columns")
-    g.add_argument("--ngram", type=int, help="N, n-gram size")
-    g.add_argument("--guesses", type=int, help="G, candidate n-grams verified per step")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="a policy chooses per step from the tokens seen and the prices (engine/policy.py): "
+                        "lookahead's arm (a copy, a plain step, a window size), lookup's copy length, "
+                        "speculative's K (0 = a plain step); --no-adaptive: the textbook loop (default on)")
+    g = p.add_argument_group("lookahead (giving --window or --guesses fixes both: the textbook loop)")
+    g.add_argument("--window", type=int, help="W, Jacobi window columns (textbook default 5)")
+    g.add_argument("--ngram", type=int, help="N, n-gram size (default 4)")
+    g.add_argument("--guesses", type=int, help="G, candidate n-grams verified per step (default: W)")
     g.add_argument("--trim-layers", type=int, default=0, help="freeze window rows in the last m layers")
     g = p.add_argument_group("speculative")
     g.add_argument("--draft", default="auto",
@@ -120,11 +124,8 @@ def parser() -> argparse.ArgumentParser:
                    help="one draft token's cost in one-row target forwards, for --adaptive (default: "
                         "measured once on this machine beside the cost table)")
     g.add_argument("--num-draft", type=int,
-                   help="K draft tokens per step (default 4; with --adaptive, the K it starts from, "
-                        "by default the best K at the draft's prior acceptance and price)")
-    g.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
-                   help="choose K per step (0 = a plain step) from the acceptance seen and the cost model; "
-                        "lookup: cut each copy to the length that pays (default on)")
+                   help="K draft tokens per step (--no-adaptive: default 4; adaptive: the K it starts "
+                        "from, by default the best K at the draft's prior acceptance and price)")
     g.add_argument("--verify", default="rejection", choices=["rejection", "coupled"],
                    help="rejection sampling, or coupled noise (seed-identical to plain)")
     g = p.add_argument_group("contrastive")
@@ -169,21 +170,35 @@ def models(args, ckpt) -> tuple:
     return (d.early_exit(int(L)),)
 
 
-def pick_draft(args, target, drafts: tuple, notes: list) -> tuple:
-    """--draft auto: the 4-bit draft where the cost model prices it above the self-draft at their
-    priors (engine/speculative.py `pays`), else the self-draft; --draft-cost measured for int4."""
-    if DECODERS[args.decoder].second != "draft" or not drafts or isinstance(drafts[0], SelfDraft):
-        return drafts
-    if args.draft not in ("int4", "auto") or not args.adaptive:
-        return drafts
-    if args.draft_cost is None:
-        args.draft_cost = draft_price(target, drafts[0], notify=notes.append)
-    if args.draft == "auto":
-        self_draft = SelfDraft(min(SELF_DRAFT_LAYERS, max(target.config.n_layers - 1, 1)))
-        if pays(target, self_draft, args.cost_table) >= pays(target, drafts[0], args.cost_table, args.draft_cost):
-            args.draft_cost = None
-            return (self_draft,)
-    return drafts
+def knobs(args) -> dict:
+    """The decoder's knobs the command set; an unset one keeps decode()'s default. Lookahead's
+    --window or --guesses alone sets the other to it."""
+    given = {k: getattr(args, k) for k in DECODERS[args.decoder].knobs if getattr(args, k) is not None}
+    if args.decoder == "lookahead" and ("window" in given) != ("guesses" in given):
+        given["window"] = given["guesses"] = given.get("window", given.get("guesses"))
+    return given
+
+
+def adapts(args) -> bool:
+    """Whether a policy steers the decoder: --adaptive, unless lookahead's knobs are fixed."""
+    fixed = args.decoder == "lookahead" and (args.window is not None or args.guesses is not None)
+    return DECODERS[args.decoder].policy is not None and args.adaptive and not fixed
+
+
+def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
+    """The second model and the policy's prices: this machine's cost table (measured once,
+    then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
+    pays more than the self-draft at their priors (engine/policy.py, pick_draft)."""
+    table = args.cost_table if args.cost_table is not None else calibrated(model, notify=notes.append)
+    cost = args.draft_cost
+    int4 = args.decoder == "speculative" and args.draft in ("int4", "auto") and isinstance(second[0], torch.nn.Module)
+    if int4 and cost is None:
+        cost = draft_price(model, second[0], notify=notes.append)
+    if int4 and args.draft == "auto":
+        self_draft = SelfDraft(min(SELF_DRAFT_LAYERS, max(model.config.n_layers - 1, 1)))
+        pick = pick_draft(model, [(self_draft, Prices(table)), (second[0], Prices(table, cost))])
+        second, cost = (pick,), None if pick is self_draft else cost
+    return second, Prices(table, cost)
 
 
 def load(ckpt, args):
@@ -286,8 +301,9 @@ def bound_knobs(args, room: int, context: int) -> None:
             clamp(name, room)
     if "ngram" in knobs:
         clamp("ngram", room + 1)       # x and N-1 tokens after it
-    if args.decoder == "lookahead" and None not in (args.window, args.ngram):
-        W, N, G = args.window, args.ngram, args.guesses if args.guesses is not None else args.window
+    if args.decoder == "lookahead" and not adapts(args):
+        W = args.window if args.window is not None else args.guesses if args.guesses is not None else 5
+        N, G = args.ngram or 4, args.guesses if args.guesses is not None else W
         rows = 1 + (N - 1) * (W + max(G, 0))
         if rows > context:
             raise ValueError(f"--window {W} --ngram {N} --guesses {G} make {rows} rows per step, "
@@ -323,14 +339,13 @@ def run(args) -> dict:
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
     second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
-    if args.cost_table is None and "cost_table" in DECODERS[args.decoder].knobs:
-        # this machine's costs, measured once, then read back; a note after the answer says where
-        args.cost_table = calibrated(model, notify=notes.append)
-    second = pick_draft(args, model, second, notes)
+    d, given, policy = DECODERS[args.decoder], knobs(args), None
+    if adapts(args):   # priced by this machine's costs; a note after the answer says where they went
+        second, price_list = prices(args, model, second, notes)
+        policy = d.policy(model, *second, price_list, given)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
-    d = DECODERS[args.decoder]
     steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=args.trace,
-                     max_new_tokens=args.max_new_tokens, **{k: getattr(args, k) for k in d.knobs})
+                     max_new_tokens=args.max_new_tokens, **given, **({"policy": policy} if policy else {}))
     if args.trace:
         steps = traced(steps, Tracer(tok.decode))
     # a stop string that the newest token completes lies in the text of the last m tokens

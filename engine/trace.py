@@ -21,16 +21,21 @@ import torch
 from torch import Tensor
 
 
-def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float]) -> dict:
-    """A draft-then-verify step: each draft's p(x), q(x), the uniform u its verdict read, and
-    the verdict; then the target's own token (the correction, or the bonus if all passed)."""
+def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
+             logits: tuple[Tensor, Tensor] | None = None) -> dict:
+    """A draft-then-verify step: each draft's p(x), q(x) (the laws its verdict read), the
+    uniform u, and the verdict; then the target's own token (the correction, or the bonus if
+    all passed). With the models' `logits` (target (K+1, V), draft (K, V)), also their
+    probabilities of x at temperature 1: what a greedy trace shows, its laws being one-hot."""
     k, m = len(drafts), len(out) - 1
     rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
-    px, qx = p[rows, ids].tolist(), q[rows, ids].tolist()                    # (K,) each
+    at = lambda probs: probs[rows, ids].tolist()                                 # (K,)
+    px, qx = at(p), at(q)
+    pm, qm = [at(l[:k].float().softmax(-1)) for l in logits] if logits and k else (px, qx)
     verdict = ["accept"] * m + ["reject"] * (m < k) + ["unverified"] * (k - m - 1)
     return {"k": k, "next": out[-1], "bonus": m == k,
-            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v}
-                       for x, a, b, c, v in zip(drafts, px, qx, u, verdict)]}
+            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v, "p_model": e, "q_model": f}
+                       for x, a, b, c, v, e, f in zip(drafts, px, qx, u, verdict, pm, qm)]}
 
 
 def claimed(trace: dict) -> list[int]:
@@ -39,7 +44,7 @@ def claimed(trace: dict) -> list[int]:
     if kind == "plain":
         return [trace["token"]]
     if kind == "lookahead":
-        return list(trace["guesses"][trace["best"]][:trace["accepted"]] if trace["accepted"] else []) + [trace["next"]]
+        return list(trace["grams"][trace["best"]][:trace["accepted"]] if trace["accepted"] else []) + [trace["next"]]
     if kind == "lookup":
         return trace["guess"][:trace["accepted"]] + [trace["next"]]
     return [d["token"] for d in trace["drafts"] if d["verdict"] == "accept"] + [trace["next"]]
@@ -59,17 +64,18 @@ class Tracer:
         return getattr(self, t["kind"])(head, t)
 
     def plain(self, head, t):
+        if t.get("greedy"):   # the law is one-hot: show how sure the model was instead
+            return [f"{head}  {self.show([t['token']])}  argmax, model's p={t['p_model']:.3f}"]
         return [f"{head}  {self.show([t['token']])}  p={t['p']:.3f}"]
 
     def lookahead(self, head, t):
-        W, N, x, P = len(t["window"][0]) if t["window"] else 0, t["N"], t["x"], t["position"] - 1
-        arm, G = t["arm"], len(t["guesses"])
-        how = (f"W={W} N={N}" if arm is None else "arm plain (one row)" if arm == (0, 0) else
-               f"arm copy ({len(t['guesses'][0])} tokens, priced)" if arm == "copy" else
-               f"arm W={arm[0]} G={arm[1]}")
+        W, N, x, P = len(t["levels"][0]) if t["levels"] else 0, t["N"], t["x"], t["position"] - 1
+        arm, G = t["arm"], len(t["grams"])
+        how = (f"W={W} N={N}" if not arm else "arm plain (one row)" if arm == "plain" else
+               f"arm copy ({len(t['grams'][0])} tokens, priced)" if arm == "copy" else f"arm {arm}")
         out = [f"{head} {how}  x={self.show([x])} @{P}"
                + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]
-        for l, level in enumerate(t["window"] if W else []):   # level l, column k: position P + l + k
+        for l, level in enumerate(t["levels"] if W else []):   # level l, column k: position P + l + k
             cells = [x if l == 0 and k == 0 else tok for k, tok in enumerate(level)]
             out.append(f"  window level {l} @{P + l}..{P + l + W - 1}: {self.show(cells)}"
                        + ("  (column 0 is x)" if l == 0 else ""))
@@ -78,7 +84,7 @@ class Tracer:
         if t["parent"] != self.mask:
             self.mask = t["parent"]
             out += self.picture(t["parent"], P, 1 + (N - 1) * W - (W > 0))
-        for g, gram in enumerate(t["guesses"]):
+        for g, gram in enumerate(t["grams"]):
             out.append(f"  guess {g}: {self.show(gram)}")
         if t["accepted"]:
             out.append(f"  accepted {t['accepted']} of guess {t['best']}, then {self.show([t['next']])}")
@@ -115,7 +121,7 @@ class Tracer:
         rule = "(u < p/q)" if t["verify"] == "rejection" else "(the target's own draw is x)"
         out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}"
                + ("  (K = 0: a plain step)" if t["k"] == 0 else "")]
-        out += self.drafts(t["drafts"], rule)
+        out += self.drafts(t["drafts"], rule, t.get("greedy", False))
         out += [self.last(t), f"  emitted {self.show(claimed(t))}"]
         return out
 
@@ -127,11 +133,15 @@ class Tracer:
         out = [f"{head} K={t['k']} (the amateur drafts)"] + self.drafts(t["drafts"], "(u < p/q)")
         return out + [self.last(t)] + [f"  @{t['position'] + i} {r}" for i, r in enumerate(rows)]
 
-    def drafts(self, drafts: list[dict], rule: str) -> list[str]:
+    def drafts(self, drafts: list[dict], rule: str, greedy: bool = False) -> list[str]:
         out = []
         for d in drafts:
             if d["verdict"] == "unverified":
                 out.append(f"  draft {self.show([d['token']])}  not verified (an earlier draft was rejected)")
+            elif greedy:   # one-hot laws: p/q is 1 or 0; the models' own probabilities say more
+                why = "(the target's argmax is x)" if d["verdict"] == "accept" else "(the target's argmax is not x)"
+                out.append(f"  draft {self.show([d['token']])}  models' p={d['p_model']:.3f} "
+                           f"q={d['q_model']:.3f}  {d['verdict']}  {why}")
             else:
                 why = rule if d["verdict"] == "accept" else rule.replace("<", ">=").replace(" is ", " is not ")
                 out.append(f"  draft {self.show([d['token']])}  p={d['p']:.3f} q={d['q']:.3f} "

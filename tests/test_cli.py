@@ -232,12 +232,14 @@ def test_lookup_traces_its_steps_and_prints_plain_greedy_text(capsys):
 @real
 def test_a_self_draft_shows_its_draft_forwards(capsys):
     # Why: speculative with layers:8 once printed "acceptance 0.00" and hid its draft forwards;
-    # they are counted now, and the trace shows each rejected draft with its p, q and u.
+    # they are counted now, and the trace shows each rejected draft with the models' p and q
+    # (greedy: the laws are one-hot, so their 1 and 0 would say nothing).
     argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "4", "--decoder", "speculative",
             "--draft", "layers:8", "--no-adaptive", "--num-draft", "3", "--trace"]
     assert main(argv) == 0
     err = capsys.readouterr().err
-    assert "reject  (u >= p/q)" in err and "#3 @40 speculative" in err
+    assert "reject  (the target's argmax is not x)" in err and "#3 @40 speculative" in err
+    assert "models' p=" in err and "q=1.000" not in err
     assert "| 4 target forwards | 6 draft forwards (layers:8) |" in err   # K = 3, 2, 1, 0: none past the budget
 
 

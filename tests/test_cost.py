@@ -15,7 +15,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine import cost, lookahead, lookup, speculative
+from engine import cost, lookahead, policy, speculative
+from engine.draft import SelfDraft
 from engine.generate import generate
 from engine.llama import Llama
 from engine.sampling import Random, Sampler
@@ -52,15 +53,17 @@ def tokens_under_clock(monkeypatch, clock_seed: int, make_steps, n: int = 40) ->
 PROMPT = [1, 2, 3, 1, 2, 3, 4, 1, 2]
 DECODERS = {
     "lookahead auto, greedy": lambda m: lookahead.decode(
-        m, PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40),
+        m, PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40,
+        policy=policy.for_lookahead(m, policy.Prices(), {})),
     "lookahead auto, sampled": lambda m: lookahead.decode(
-        m, PROMPT, sampler=Sampler(0.8), rng=Random(3), max_new_tokens=40),
+        m, PROMPT, sampler=Sampler(0.8), rng=Random(3), max_new_tokens=40,
+        policy=policy.for_lookahead(m, policy.Prices(), {})),
     "speculative adaptive, rejection": lambda m: speculative.decode(
-        m, tiny_llama(7, vocab=6, n_layers=1), PROMPT, sampler=Sampler(1.0), rng=Random(5),
-        max_new_tokens=40, adaptive=True),
+        m, tiny_llama(7, vocab=6, n_layers=1), PROMPT, sampler=Sampler(1.0), rng=Random(5), max_new_tokens=40,
+        policy=policy.for_speculative(m, tiny_llama(7, vocab=6, n_layers=1), policy.Prices(), {})),
     "speculative adaptive, self-draft": lambda m: speculative.decode(
-        m, speculative.SelfDraft(1), PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40,
-        adaptive=True),
+        m, SelfDraft(1), PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40,
+        policy=policy.for_speculative(m, SelfDraft(1), policy.Prices(), {})),
 }
 
 
@@ -77,11 +80,11 @@ def test_a_clock_driven_choice_is_caught(monkeypatch):
     # the broken variant: an arm and a copy length chosen from the clock (as the engine once
     # did, by measured step times) move the tokens of a row-dependent model; the test above
     # must see that
-    monkeypatch.setattr(lookahead.Auto, "choose",
+    monkeypatch.setattr(policy.Arms, "choose",
                         lambda self: int(time.perf_counter() * 1e3) % len(self.arms))
-    guess = lookup.Priced.guess
-    monkeypatch.setattr(lookup.Priced, "guess", lambda self, text, beat=1.0, room=None: guess(
-        self, text, 0.0, min(room, int(time.perf_counter() * 1e3) % 4)))
+    length = policy.CopyLength.length
+    monkeypatch.setattr(policy.CopyLength, "length", lambda self, text, full, n, beat=1.0, room=None: length(
+        self, text, full, n, 0.0, min(room, int(time.perf_counter() * 1e3) % 4)))
     model = row_dependent(0)
     runs = {tuple(tokens_under_clock(monkeypatch, c, lambda: DECODERS["lookahead auto, greedy"](model)))
             for c in range(3)}
@@ -89,16 +92,6 @@ def test_a_clock_driven_choice_is_caught(monkeypatch):
 
 
 # --------------------------------------------------------------------------- the price list
-
-def test_row_cost_follows_the_matmul_kind_and_a_measured_table():
-    model = tiny_llama(0)                                  # float64 nn.Linear
-    assert cost.row_cost(model)(1) == 1.0
-    slope = cost.SLOPE.get(("Linear", torch.backends.cpu.get_cpu_capability()), cost.UNKNOWN_SLOPE)
-    assert cost.row_cost(model)(9) == pytest.approx(1 + 8 * slope)
-    table = {1: 1.0, 4: 1.3, 8: 2.1}
-    rows = cost.row_cost(model, table)
-    assert [rows(k) for k in (1, 2, 4, 6, 8, 12)] == pytest.approx([1.0, 1.1, 1.3, 1.7, 2.1, 2.9])
-
 
 def test_a_forward_cost_json_loads_as_a_table_and_a_bad_one_is_one_error(tmp_path):
     good = {"forward_cost": {"engine": {"1": {"ratio": 1.0}, "8": {"ratio": 1.25}}}}
@@ -109,16 +102,6 @@ def test_a_forward_cost_json_loads_as_a_table_and_a_bad_one_is_one_error(tmp_pat
         (tmp_path / "bad.json").write_text(bad)
         with pytest.raises(ValueError, match="bad.json"):
             cost.load_table(tmp_path / "bad.json")
-
-
-def test_layer_shares_add_up_to_a_forward_less_its_head():
-    model = tiny_llama(0, n_layers=4)
-    c = model.config
-    head = c.vocab_size * c.dim / sum(p.numel() for n, p in model.named_parameters()
-                                      if "norm" not in n and "tok_embeddings" not in n)
-    assert cost.layer_share(model, 0) == 0
-    assert cost.layer_share(model, 2) == pytest.approx(cost.layer_share(model, 4) / 2)
-    assert cost.layer_share(model, 4) == pytest.approx(1 - head)
 
 
 def test_a_machine_is_measured_once_and_every_run_reads_the_same_table(tmp_path, monkeypatch):

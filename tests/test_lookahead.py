@@ -8,7 +8,7 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
-from engine import lookahead
+from engine import lookahead, policy
 from engine.generate import Stats, generate, plain
 from engine.kvcache import KVCache
 from engine.sampling import Random, Sampler, verify_match
@@ -130,8 +130,9 @@ def test_copy_arm_is_taken_and_its_guesses_accepted_on_the_tiny_model():
             yield step
     for seed in range(3):
         model, prompt = tiny_llama(seed, vocab=4), prompt_for(seed, 8, 4)
+        flat = policy.Lookahead(lambda k: 1.0, 4)
         list(generate(log(lookahead.decode(model, prompt, sampler=GREEDY, rng=Random(0), max_new_tokens=40,
-                                           cost_table={1: 1.0, 64: 1.0})), max_new_tokens=40))
+                                           policy=flat)), max_new_tokens=40))
     assert copied and max(copied) >= 3
 
 
@@ -215,52 +216,10 @@ def test_auto_configuration_switches_arms_without_changing_tokens(seed, n, slope
     # prices say; any schedule it picks must leave the greedy output alone. Drawn price lists
     # force many different schedules.
     model, prompt = tiny_llama(seed % 3, vocab=6), prompt_for(seed, 6, 6)
-    table = {1: 1.0, 64: 1.0 + 63 * slope}
+    prices = policy.Lookahead(lambda k: 1.0 + slope * (k - 1), 4)
     got = list(generate(lookahead.decode(model, prompt, sampler=GREEDY, rng=Random(0), max_new_tokens=n,
-                                         cost_table=table), max_new_tokens=n))
+                                         policy=prices), max_new_tokens=n))
     assert got == run(plain, model, prompt, n)
-
-
-def test_auto_tries_an_arm_after_its_wait_then_prefers_the_most_tokens_per_unit_cost():
-    # Why: an arm costing c units is first tried after patience * (c - 1) plain steps, as a
-    # retry would be, so a dear window is never paid for in a short answer; once tried, the
-    # arm with the most tokens per unit of cost wins.
-    auto = lookahead.Auto(((0, 0), (1, 1), (2, 2)), cost=lambda k: 1 + 0.1 * (k - 1), n=3)
-    assert auto.wait[1:] == [30, 70]                     # c = 1.3 (4 rows) and 1.7 (8 rows)
-    assert [auto.choose() for _ in range(30)] == [0] * 30   # plain's value is known: 1 a unit
-    assert auto.choose() == 1                            # step 31: its wait is over
-    auto.update(1, tokens=3, rows=4)                     # 3 tokens for 1.3 units
-    for _ in range(39):                                  # steps 32-70: 2.3 a unit beats plain's 1
-        assert auto.choose() == 1
-        auto.update(1, tokens=3, rows=4)
-    assert auto.choose() == 2                            # step 71: the dearer arm's wait is over
-    auto.update(2, tokens=2, rows=8)                     # 2 tokens for 1.7 units
-    assert auto.choose() == 1                            # 2.3 beats 1.0 and 1.2 tokens per unit
-
-
-def cost_per_token(auto, cost, tokens_per_step, steps=1000):
-    """Run an Auto against arms that emit fixed tokens per step; the real cost of a token."""
-    spent = emitted = 0.0
-    for _ in range(steps):
-        a = auto.choose()
-        rows = 1 + 3 * sum(lookahead.ARMS[a])
-        auto.update(a, tokens=tokens_per_step[a], rows=rows)
-        spent, emitted = spent + cost(rows), emitted + tokens_per_step[a]
-    return spent / emitted
-
-
-def test_auto_settles_on_plain_steps_when_guesses_do_not_pay():
-    # Why: "never lose": when no arm's extra tokens pay for its rows, the plain arm (one row)
-    # wins, and the costly arms come back only rarely: exploration costs at most 1/patience of
-    # a plain step per step and arm. Here every guessing arm emits 1.1 tokens a step, yet costs
-    # 1.15-2.5 units, so plain's 1 token a unit is best.
-    cost = lambda k: 1 + 0.05 * (k - 1)
-    hits = [1] + [1.1] * (len(lookahead.ARMS) - 1)
-    bound = 1 + (len(lookahead.ARMS) - 1) / 100
-    assert cost_per_token(lookahead.Auto(lookahead.ARMS, cost, n=4, patience=100), cost, hits) <= bound
-    # the broken variant, an Auto blind to costs, settles on a window arm and loses
-    blind = lookahead.Auto(lookahead.ARMS, lambda k: 1.0, n=4, patience=100)
-    assert cost_per_token(blind, cost, hits) > bound + 0.1
 
 
 def test_the_first_candidate_is_what_followed_the_longest_earlier_match():

@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine import contrastive, lookahead, lookup, speculative
+from engine import contrastive, lookahead, lookup, policy, speculative
 from engine.draft import int4_copy
 from engine.generate import plain
 from engine.sampling import Sampler
@@ -34,7 +34,7 @@ def spec_run(draft, K, verify="rejection", adaptive=False, target=TARGET):
     def run(sampler, n):
         return lambda rng: speculative.decode(
             target, draft, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=K,
-            verify=verify, adaptive=adaptive, max_draft=3)
+            verify=verify, policy=policy.draft_length(target, draft, start=K, most=3) if adaptive else None)
     return run
 
 

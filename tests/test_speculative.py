@@ -13,7 +13,9 @@ from engine.draft import Separate, int4_copy
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler
-from engine.speculative import SelfDraft, best_k, decode
+from engine.draft import SelfDraft
+from engine.policy import DraftLength
+from engine.speculative import decode
 
 GREEDY = Sampler()
 
@@ -67,8 +69,9 @@ def test_speculative_greedy_equals_target_greedy(kind, seed, K, P, budget, verif
 
 @given(kind=KINDS, seed=st.integers(0, 2**16), K=st.integers(1, 5), P=st.integers(1, 6))
 def test_adaptive_k_gives_the_greedy_tokens(kind, seed, K, P):
-    # Why: K is chosen from timings and acceptance; whatever it picks, the tokens are fixed.
-    assert same_as_plain(kind, seed, K, P, 12, adaptive=True, max_draft=6)
+    # Why: a policy picks K per step from the acceptance seen; whatever it picks, the tokens
+    # are fixed. Its costs here make every K from 0 to 6 worth a try.
+    assert same_as_plain(kind, seed, K, P, 12, policy=DraftLength(K, 6, 0.3, lambda k: 1.0 + 0.05 * k))
 
 
 def test_eos_inside_a_step_cuts_the_step_there():
@@ -212,88 +215,6 @@ def test_a_draft_with_another_vocab_is_a_clear_error():
         decode(tiny_llama(0), SelfDraft(3), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4)
     with pytest.raises(ValueError, match="verify"):
         decode(tiny_llama(0), SelfDraft(1), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4, verify="x")
-
-
-@pytest.mark.parametrize("alpha, c, k", [(0.6, 0.05, 4), (0.8, 0.1, 6), (0.9, 0.05, 13), (0.1, 0.5, 0)])
-def test_best_k_maximises_tokens_per_unit_cost(alpha, c, k):
-    # Why: the optimum K of (1 - alpha^(K+1)) / ((1 - alpha)(K c + 1)) has no closed form; these
-    # are brute-force optima of Leviathan et al.'s walltime factor. K = 0 is a plain step: a
-    # draft accepted one time in ten at half a forward a token never pays.
-    assert best_k(alpha, c, lambda k: 1.0, 32) == k
-
-
-def test_tuner_follows_the_measured_acceptance():
-    # Why: a step accepting 4 of 5 drafts is 4 successes and 1 failure: alpha = 4/5 per draft.
-    tuner = speculative.Tuner(4, 32, 0.1, lambda k: 1.0)
-    for _ in range(200):
-        tuner.update(5, 4)
-    assert tuner.k == best_k(0.8, 0.1, lambda k: 1.0, 32) == 6
-    for _ in range(200):
-        tuner.update(tuner.k, 0)
-    assert tuner.k in (0, 1)
-
-
-def test_tuner_falls_back_to_plain_steps_and_probes_back_ever_more_rarely():
-    # Why: "never lose": a draft that is never accepted must cost almost nothing. K drops to 0
-    # (plain steps), and the probes that re-measure alpha come after 32, 64, 128, ... plain steps.
-    tuner = speculative.Tuner(1, 8, c_draft=0.74, c_verify=lambda k: 0.5 + 0.5 * (1 + 0.03 * k))
-    ks = []
-    for _ in range(500):
-        ks.append(tuner.k)
-        tuner.update(tuner.k, 0)                         # every draft rejected
-    probes = [i for i, k in enumerate(ks) if k]
-    assert ks[0] == 1 and len(probes) <= 5               # 1 + 32 + 64 + 128 + 256 (the cap) < 500
-    assert all(b - a >= 32 for a, b in zip(probes, probes[1:]))
-    # and when the draft turns good, one probe is enough to lift K off 0
-    for _ in range(1200):
-        tuner.update(tuner.k, tuner.k)                   # every draft accepted
-    assert tuner.k >= 2
-
-
-def test_a_tuner_that_never_probes_is_caught():
-    # the broken variant: without probes, K stays 0 for good once alpha looked bad, and a
-    # draft that has become good is never used again; the test above must see that
-    tuner = speculative.Tuner(1, 8, c_draft=0.74, c_verify=lambda k: 1.0, probe=10**9)
-    for _ in range(50):
-        tuner.update(tuner.k, 0)
-    for _ in range(300):
-        tuner.update(tuner.k, tuner.k)
-    assert tuner.k == 0
-
-
-def test_self_draft_costs_follow_the_model_shapes():
-    # Why: the tuner's prices for an early exit: a draft token reads layers [0, L) and the head,
-    # the check reads the other layers; with L = all layers a draft costs a whole forward.
-    model = tiny_llama(0, n_layers=4)
-    c_draft, c_verify, _ = speculative.costs(model, SelfDraft(4))
-    assert c_draft == pytest.approx(1.0) and c_verify(0) == pytest.approx(1.0)
-    c_draft, c_verify, _ = speculative.costs(model, SelfDraft(2))
-    assert 0.5 < c_draft < 1 and c_verify(0) == pytest.approx(1.0)
-
-
-def test_a_4bit_copy_is_priced_as_a_close_draft_and_drafts_from_the_first_step():
-    # Why: the target's own weights in 4 bits agree with it on most tokens (docs/fidelity.md);
-    # priced like a stranger (prior 1/2) it would wait 32 plain steps before its first draft.
-    target = tiny_llama(1, hidden=64)
-    c_draft, c_verify, prior = speculative.costs(target, int4_copy(target), {1: 1.0, 8: 1.2})
-    dispatch = torch.backends.cpu.get_cpu_capability()
-    assert prior == 0.9 and c_draft == speculative.DRAFT_COST.get(("Int4Linear", dispatch), 0.6)
-    assert c_verify(7) == pytest.approx(1.2)
-    assert speculative.costs(target, int4_copy(target), None, draft_cost=0.3)[0] == 0.3   # measured wins
-    assert speculative.costs(target, tiny_llama(2, hidden=64))[2] == 0.5     # same shapes, not a copy
-    steps = decode(target, int4_copy(target), [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=8,
-                   adaptive=True, cost_table={1: 1.0, 8: 1.2}, draft_cost=0.5)
-    assert next(steps).drafted >= 1
-
-
-@pytest.mark.parametrize("c,want", [(0.2, "int4"), (0.9, "self")])
-def test_pays_ranks_drafts_by_tokens_per_unit_of_cost(c, want):
-    # Why: --draft auto takes the draft `pays` prices higher. Pinned examples: at 0.2 of a
-    # forward a token the 4-bit copy wins (prior 0.9); at 0.9 it loses to a 1-of-2-layer exit.
-    target = tiny_llama(1, hidden=64)
-    copy4, exit1 = speculative.pays(target, int4_copy(target), {1: 1.0, 8: 1.2}, c), \
-        speculative.pays(target, SelfDraft(1), {1: 1.0, 8: 1.2})
-    assert (copy4 > exit1) == (want == "int4") and min(copy4, exit1) >= 1.0
 
 
 # --------------------------------------------------------------------------- the tests have teeth

@@ -6,7 +6,8 @@ import json
 import pytest
 
 from conftest import tiny_llama
-from engine import contrastive, lookahead, lookup, speculative
+from engine import contrastive, lookahead, lookup, policy, speculative
+from engine.draft import SelfDraft
 from engine.generate import generate, plain
 from engine.sampling import Random, Sampler
 from engine.trace import Tracer, claimed, traced
@@ -20,14 +21,16 @@ DECODERS = {   # name -> (sampler, rng, trace) -> steps
     "lookahead W=3 N=3 G=3": lambda s, r, t: lookahead.decode(
         TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, window=3, ngram=3, guesses=3, trace=t),
     "lookahead auto": lambda s, r, t: lookahead.decode(
-        TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
+        TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
+        policy=policy.for_lookahead(TARGET, policy.Prices(), {})),
     "lookup": lambda s, r, t: lookup.decode(TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
     "speculative K=3": lambda s, r, t: speculative.decode(
         TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=3, trace=t),
     "speculative coupled": lambda s, r, t: speculative.decode(
         TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=2, verify="coupled", trace=t),
     "speculative adaptive self-draft": lambda s, r, t: speculative.decode(
-        TARGET, speculative.SelfDraft(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, adaptive=True, trace=t),
+        TARGET, SelfDraft(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
+        policy=policy.draft_length(TARGET, SelfDraft(1))),
     "contrastive": lambda s, r, t: contrastive.decode(
         TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
     "speculative contrastive": lambda s, r, t: contrastive.decode(
@@ -118,8 +121,8 @@ def test_printed_trace_shows_every_step_and_its_emitted_tokens(capsys):
 # --------------------------------------------------------------------------- lying traces are caught
 
 def lie_whole_guess(t):      # reports the guess's tokens instead of the verified ones
-    if t["kind"] == "lookahead" and t["guesses"]:
-        t["accepted"] = len(t["guesses"][t["best"]])
+    if t["kind"] == "lookahead" and t["grams"]:
+        t["accepted"] = len(t["grams"][t["best"]])
     if t["kind"] == "lookup":
         t["accepted"] = len(t["guess"])
 

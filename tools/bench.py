@@ -27,14 +27,14 @@ from pathlib import Path
 
 import torch
 
-from engine import speculative
 from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
-from engine.draft import resident_bytes
+from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
 from engine.packed import prepack, quantize_int4
+from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from engine.weights import DTYPES
 from tools.cli import Parser, at_most, out_dir, write_atomic
@@ -215,13 +215,13 @@ CONFIGS = {
     "lookahead W5 N4 G5 trim 8": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=8)),
     "lookahead W5 N4 G5 trim 16": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=16)),
     "lookahead W5 N4 G5 trim 30": ("lookahead", None, dict(window=5, ngram=4, guesses=5, trim_layers=30)),
-    "lookahead auto": ("lookahead", None, {}),
+    "lookahead auto": ("lookahead", None, dict(adaptive=True)),
     # the paper's GPU setting: 120 window and guess rows per forward, for its tokens per forward
     "lookahead W15 N5 G15": ("lookahead", None, dict(window=15, ngram=5, guesses=15)),
-    "speculative L=12 K=3": ("speculative", speculative.SelfDraft(12), dict(num_draft=3)),
-    "speculative L=20 adaptive": ("speculative", speculative.SelfDraft(20), dict(adaptive=True)),
+    "speculative L=12 K=3": ("speculative", SelfDraft(12), dict(num_draft=3)),
+    "speculative L=20 adaptive": ("speculative", SelfDraft(20), dict(adaptive=True)),
     "lookup": ("lookup", None, dict(adaptive=True)),     # as the CLI runs it: copies cut to what pays
-    "lookup K=8": ("lookup", None, dict(adaptive=False)),  # the textbook: 8 tokens at every match
+    "lookup K=8": ("lookup", None, {}),                      # the textbook: 8 tokens at every match
     # plain once more, later in each round: its cells are the noise every other row sits in
     "plain again": ("plain", None, {}),
 }
@@ -237,11 +237,12 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     """One greedy generation: tokens, timings, and per-step draft acceptance. Adaptive decoders
     price their choices with this machine's measured costs, as the CLI's do."""
     name, second, knobs = config
-    if "cost_table" in DECODERS[name].knobs:
-        knobs = {"cost_table": calibrated(model, notify=progress)} | knobs
-    if "draft_cost" in DECODERS[name].knobs and isinstance(second, Llama) and knobs.get("adaptive"):
-        knobs = {"draft_cost": draft_price(model, second, notify=progress)} | knobs   # as the CLI prices it
     models = (model,) if second is None else (model, second)
+    if knobs.get("adaptive"):   # a policy, priced as the CLI prices it (engine/run.py, prices)
+        prices = Prices(calibrated(model, notify=progress),
+                        draft_price(model, second, notify=progress) if isinstance(second, Llama) else None)
+        knobs = {k: v for k, v in knobs.items() if k != "adaptive"}
+        knobs["policy"] = DECODERS[name].policy(*models, prices, knobs)
     steps, stats = [], Stats()
     run = DECODERS[name].decode(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
     t0 = time.perf_counter()

@@ -1,0 +1,330 @@
+"""What adapts, apart from the algorithms it steers; a reader learning the algorithms may skip it.
+
+Every decoder runs its paper's loop with fixed knobs when it is given no policy. Passed a
+policy (`policy=`, the CLI's default), it asks before each step:
+
+    Lookahead.choose(text, room) -> Choice(window, guesses, copy)   lookahead's arm
+    CopyLength.length(text, proposal, n, beat, room) -> L           how much of a copy to send
+    DraftLength.k, .update(k, accepted)                             speculative decoding's K
+    pick_draft(target, drafts, prices)                              --draft auto's choice
+
+by expected tokens per unit of cost. Every choice is one the algorithm is exact under, and it
+is made from the tokens seen and fixed prices, never the clock: the same command, seed and
+machine print the same tokens, and a policy moves the speed, never the tokens.
+
+    cost(k rows) = 1 + slope (k - 1)      a k-row forward in one-row forwards, or a table
+                                          measured once on this machine (engine/cost.py)
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Callable, NamedTuple
+
+import torch
+
+from engine.draft import SelfDraft
+from engine.llama import Llama
+from engine.lookup import find
+
+# --------------------------------------------------------------------------- prices
+
+SLOPE = {          # (matmul kind, torch's CPU dispatch) -> extra cost of each row past the first
+    ("PackedLinear", "AVX512"): 0.03,   # oneDNN, reordered weights, Zen 4: 8 rows ~ 1.2x one row
+    ("PackedLinear", "AVX2"): 0.10,     # the same on an AVX2-only EPYC: 8 rows 1.74x
+    ("Int4Linear", "AVX512"): 0.08,     # torch's int4 kernel: 8 rows ~ 1.6x
+    ("Int4Linear", "AVX2"): 0.27,       # 8 rows 2.9x
+    ("Linear", "AVX512"): 0.06,         # nn.Linear (MKL repacks per call): 8 rows ~ 1.4x
+    ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows
+}
+UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
+DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
+    ("Int4Linear", "AVX512"): 0.41,     # the target's weights in 4 bits, Zen 4 (SmolLM2-135M; draft_price)
+    ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
+}
+
+
+@dataclass(frozen=True)
+class Prices:
+    table: dict[int, float] | None = None   # k -> cost(k rows)/cost(1 row), measured (engine/cost.py)
+    draft: float | None = None              # one draft token / one-row target forward, measured
+
+
+def row_cost(model: Llama, table: dict[int, float] | None = None) -> Callable[[int], float]:
+    """k -> cost of a k-row forward of `model`, one row = 1 (linear between table points)."""
+    if table:
+        return lambda k: interpolate(table, k)
+    kind = (type(model.layers[0].feed_forward.w13).__name__, torch.backends.cpu.get_cpu_capability())
+    if model.tok_embeddings.weight.device.type == "cuda":
+        kind = ("cuda", "")
+    slope = SLOPE.get(kind, UNKNOWN_SLOPE)
+    return lambda k: 1 + slope * (max(k, 1) - 1)
+
+
+def interpolate(table: dict[int, float], k: int) -> float:
+    ks = sorted(table)
+    if k <= ks[0]:
+        return table[ks[0]]
+    for a, b in zip(ks, ks[1:]):
+        if k <= b:
+            return table[a] + (table[b] - table[a]) * (k - a) / (b - a)
+    a, b = ks[-2:] if len(ks) > 1 else (ks[0], ks[0])   # past the last point: the last slope
+    slope = (table[b] - table[a]) / (b - a) if b > a else 0.0
+    return table[b] + slope * (k - b)
+
+
+def layer_share(model: Llama, layers: int) -> float:
+    """The share of a one-row forward's weight reads spent in layers [0, layers) (the rest:
+    the other layers and the LM head), from the model's shapes: one-row steps read weights."""
+    c = model.config
+    per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim \
+        + 3 * c.dim * c.hidden_dim                                     # wqkv, wo, w13, w2
+    return layers * per_layer / (c.n_layers * per_layer + c.vocab_size * c.dim)
+
+
+# --------------------------------------------------------------------------- lookahead's arm
+
+# (W, G) arms, cheap to costly: a plain step, then Jacobi windows with G pool guesses. Prompt
+# lookup's copy is priced apart, per step: its match length varies from step to step, which a
+# per-arm average cannot see. Pool-only arms (W = 0, G = 1 or 4) were never chosen beside it
+# (14 bench prompts, 64 tokens each), so they went.
+ARMS = ((0, 0), (2, 2), (3, 3), (5, 5))
+COPY_MOST = 8                          # the copy arm proposes at most this many tokens
+
+
+class Choice(NamedTuple):
+    window: int       # W: Jacobi columns sent this step (the rest of the window pauses)
+    guesses: int      # G: pool n-grams verified
+    copy: list[int]   # or prompt lookup's copy, verified alone (window = guesses = 0)
+
+
+class Lookahead:
+    """Lookahead's policy: the copy where its price beats every arm tried, else `Arms`' pick.
+    On an exact path every choice prints plain's tokens (tests/test_policy.py)."""
+
+    def __init__(self, cost: Callable[[int], float], n: int, arms=ARMS, copy_most: int = COPY_MOST):
+        self.n, self.copy_most, self.arm = n, copy_most, None
+        self.arms, self.copier = Arms(arms, cost, n), CopyLength(cost)
+        self.most_window, self.most_guesses = max(w for w, _ in arms), max(g for _, g in arms)
+
+    def choose(self, text: list[int], room: int) -> Choice:
+        full, m, _ = find(text, self.n, self.copy_most)
+        copy = full[:self.copier.length(text, full, m, self.arms.best(), room)]
+        self.arm = None if copy else self.arms.choose()
+        return Choice(0, 0, copy) if copy else Choice(*self.arms.arms[self.arm], [])
+
+    def update(self, tokens: int, rows: int) -> None:
+        """The chosen step emitted `tokens` from a forward of `rows` rows (copies are not arms)."""
+        if self.arm is not None:
+            self.arms.update(self.arm, tokens, rows)
+
+
+class Arms:
+    """Pick (W, G) per step by expected tokens per unit of cost; a plain step is one of the arms.
+
+        value(arm) = decayed tokens its steps emitted / decayed cost of their forwards
+        choose: an arm unchosen for patience * (c - 1) steps (c = its nominal cost; untried
+                arms count from step 0), cheap to costly, else the arm of highest value
+    A try spends at most c - 1 extra units and comes at most once every patience * (c - 1)
+    steps: exploration costs at most 1/patience of a plain step per step and per arm (1% each
+    at 100). Where rows are cheap (a GPU: c = 1.055 for W2 G2's 12 rows) a window is first
+    tried at the 6th step; where they are dear (an AVX2 EPYC's table: c = 1.67) at the 68th.
+    """
+
+    def __init__(self, arms, cost, n: int, decay: float = 0.8, patience: int = 100):
+        self.arms, self.cost, self.decay = arms, cost, decay
+        # rows if every guess is there: x takes the window's first cell, or sits alone
+        self.nominal = [cost((n - 1) * (w + g) + (w == 0)) for w, g in arms]
+        # subtle: a one-row arm (plain) has nothing to learn: 1 token for 1 unit, known, never retried
+        plain = [w + g == 0 for w, g in arms]
+        self.wait = [10**9 if p else max(1, round(patience * (c - 1))) for p, c in zip(plain, self.nominal)]
+        self.tokens = [float(p) for p in plain]
+        self.spent = [float(p) for p in plain]
+        self.last = [0 if p else -1 for p in plain]
+        self.step = 0
+
+    def value(self, a: int) -> float:
+        return self.tokens[a] / max(self.spent[a], 1e-9)
+
+    def best(self) -> float:
+        """The highest value of the arms tried so far (at least plain's 1)."""
+        return max(self.value(a) for a in range(len(self.arms)) if self.last[a] >= 0)
+
+    def choose(self) -> int:
+        self.step += 1
+        for a in sorted(range(len(self.arms)), key=self.nominal.__getitem__):
+            if self.step - max(self.last[a], 0) > self.wait[a]:
+                return a                          # not tried for long, or never
+        return max(range(len(self.arms)), key=self.value)
+
+    def update(self, arm: int, tokens: int, rows: int) -> None:
+        self.tokens[arm] = self.decay * self.tokens[arm] + tokens
+        self.spent[arm] = self.decay * self.spent[arm] + self.cost(rows)
+        self.last[arm] = self.step
+
+
+# --------------------------------------------------------------------------- copy length
+
+PRIOR = (0.5, 1.0)       # (agreed, checked) before any check: an unseen position agrees 1 in 2
+
+
+class CopyLength:
+    """How much of prompt lookup's proposal to send: the length that pays for its rows.
+
+    Every proposal, sent or not, is checked against the tokens that followed it: a sent guess
+    is accepted exactly that far (verify_match, on exact paths), so this shadow check is free
+    and no step is spent exploring. By match length n and guess position j:
+
+        p[n, j] = (agreed + 1/2) / (checked + 1)      P(token j agrees | tokens < j agreed)
+        E(L)    = 1 + sum_{j<L} prod_{i<=j} p[n, i]     tokens a forward with L guessed emits
+        L*      = argmax_L E(L) / cost(1 + L), or 0 when that is <= beat (plain's 1)
+    """
+
+    def __init__(self, cost: Callable[[int], float]):
+        self.cost = cost
+        self.checked: dict[tuple[int, int], int] = {}
+        self.agreed: dict[tuple[int, int], int] = {}
+        self.pending: list[tuple[int, int, list[int]]] = []   # (text position, n, proposal)
+
+    def length(self, text: list[int], proposal: list[int], n: int, beat: float = 1.0,
+               room: int | None = None) -> int:
+        """L* for `proposal` (find()'s guess after a match of n tokens) at the end of `text`:
+        0 unless its tokens per unit of cost beat `beat`; at most `room` (the budget left)."""
+        self.learn(text)
+        if proposal:
+            self.pending.append((len(text), n, proposal))
+        best, cut, tokens, alive = beat, 0, 1.0, 1.0
+        for j in range(min(len(proposal), len(proposal) if room is None else room)):
+            alive *= (self.agreed.get((n, j), 0) + PRIOR[0]) / (self.checked.get((n, j), 0) + PRIOR[1])
+            tokens += alive
+            if tokens / self.cost(j + 2) > best:
+                best, cut = tokens / self.cost(j + 2), j + 1
+        return cut
+
+    def learn(self, text: list[int]) -> None:
+        """Check each proposal against the tokens that followed it, once they decide it."""
+        waiting = []
+        for at, n, full in self.pending:
+            after = text[at:at + len(full)]
+            j = next((i for i, (a, b) in enumerate(zip(full, after)) if a != b), len(after))
+            if j == len(after) < len(full):                  # agrees so far, not yet decided
+                waiting.append((at, n, full))
+                continue
+            for i in range(min(j + 1, len(full))):           # positions 0..j were checked
+                self.checked[n, i] = self.checked.get((n, i), 0) + 1
+                self.agreed[n, i] = self.agreed.get((n, i), 0) + (i < j)
+        self.pending = waiting
+
+
+# --------------------------------------------------------------------------- speculative's K
+
+def best_k(alpha: float, c_draft: float, c_verify: Callable[[int], float], max_k: int) -> int:
+    """The K in [0, max_k] with the most tokens per unit cost, K = 0 being a plain step (cost 1):
+        sum_{i<=K} alpha^i / (K c_draft + c_verify(K))          (Leviathan et al., walltime factor)
+
+    Example: best_k(0.8, 0.1, lambda k: 1.0, 16) == 6 (2.47 tokens per unit); at alpha = 0.1
+    no K pays for its drafts, and K = 0 wins.
+    """
+    return max(range(max_k + 1), key=lambda k: rate(alpha, k, c_draft, c_verify))
+
+
+def rate(alpha: float, k: int, c_draft: float, c_verify: Callable[[int], float]) -> float:
+    tokens = sum(alpha ** i for i in range(k + 1))   # (1 - alpha^(K+1)) / (1 - alpha), no 0/0
+    return tokens / (k * c_draft + c_verify(k) if k else 1.0)
+
+
+class DraftLength:
+    """K per step from the acceptance seen so far and fixed costs, never the clock.
+
+        alpha = decayed accepted / decayed trials        (a step: `accepted` successes, then a
+                                                          failure unless all K passed)
+        K = best_k(alpha, c_draft, c_verify, most)
+        at K = 0 nothing is measured, so after `probe` plain steps one step drafts K = 1;
+        each probe that does not lift K doubles the wait (32, 64, 128, up to 256 steps); a
+        probe whose draft is accepted sets it back to 32
+    With c_draft = 0.74 (a 20-of-30-layer self-draft of SmolLM2-135M), K = 1 pays only when
+    alpha > 0.75, so a weak draft decodes at plain's pace bar its probes.
+    """
+
+    def __init__(self, k: int, most: int, c_draft: float, c_verify: Callable[[int], float],
+                 prior: float = 0.5, probe: int = 32):
+        self.k, self.most, self.decay = k, most, 0.9       # forget a step's weight in ~10 steps
+        self.c_draft, self.c_verify = c_draft, c_verify
+        self.accepted, self.trials = 2 * prior, 2.0        # prior alpha, worth 2 trials, forgotten like the rest
+        self.first_probe = self.probe = probe
+        self.idle = 0                                      # plain steps since the last measurement
+
+    @property
+    def alpha(self) -> float:
+        return self.accepted / self.trials
+
+    def update(self, k: int, accepted: int) -> None:
+        if k:
+            d = self.decay
+            self.accepted = d * self.accepted + accepted
+            self.trials = d * self.trials + accepted + (accepted < k)
+            self.idle = 0
+        else:
+            self.idle += 1
+        self.k = best_k(self.alpha, self.c_draft, self.c_verify, self.most)
+        if self.k or (k and accepted == k):                # drafting pays, or a probe all accepted
+            self.probe = self.first_probe
+        elif self.idle >= self.probe:                      # probe: one draft, to measure alpha
+            self.k, self.probe = 1, min(2 * self.probe, 8 * self.first_probe)
+
+
+def costs(target: Llama, draft: Llama | SelfDraft,
+          prices: Prices = Prices()) -> tuple[float, Callable[[int], float], float]:
+    """(cost of one draft token, K -> cost of the verifying forward, prior alpha), in units of a
+    one-row target forward. Without a measured `prices.draft`, a draft of the target's own
+    shapes in 4 bits costs DRAFT_COST by CPU dispatch, another one its share of parameters.
+
+    The prior: a self-draft or a foreign draft 1/2; a copy of the target in fewer bits 0.9
+    (4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md).
+    """
+    rows = row_cost(target, prices.table)
+    if isinstance(draft, SelfDraft):       # layers < L: 1 row per draft; the rest on K+1 rows
+        lower = layer_share(target, draft.layers)
+        head = 1 - layer_share(target, target.config.n_layers)
+        return lower + head, lambda k: lower + (1 - lower) * rows(k + 1), 0.5
+    kind = type(draft.layers[0].feed_forward.w13).__name__
+    copy = draft.config == target.config and kind == "Int4Linear"
+    c = prices.draft
+    if c is None:
+        size = lambda m: sum(p.numel() for p in m.parameters())
+        c = DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6) if copy \
+            else size(draft) / size(target)
+    return c, lambda k: rows(k + 1), 0.9 if copy else 0.5
+
+
+def draft_length(target: Llama, draft: Llama | SelfDraft, prices: Prices = Prices(),
+                 start: int | None = None, most: int = 16) -> DraftLength:
+    """Speculative decoding's policy; it starts at `start`, or where the prior and prices say
+    (K = 0 for a draft that costs most of a forward)."""
+    c_draft, c_verify, prior = costs(target, draft, prices)
+    k = best_k(prior, c_draft, c_verify, most) if start is None else start
+    return DraftLength(k, most, c_draft, c_verify, prior)
+
+
+def pays(target: Llama, draft: Llama | SelfDraft, prices: Prices = Prices()) -> float:
+    """Tokens per unit of cost at the draft's prior alpha and its best K (1.0: plain's pace)."""
+    c_draft, c_verify, prior = costs(target, draft, prices)
+    return rate(prior, best_k(prior, c_draft, c_verify, 16), c_draft, c_verify)
+
+
+def pick_draft(target: Llama, drafts: list[tuple[Llama | SelfDraft, Prices]]) -> Llama | SelfDraft:
+    """--draft auto: of (draft, its prices) pairs, the draft that `pays` most; the first of equals."""
+    return max(drafts, key=lambda d: pays(target, *d))[0]     # max keeps the first of equals
+
+
+# --------------------------------------------------------------------------- per decoder
+
+def for_lookahead(model: Llama, prices: Prices, knobs: dict) -> Lookahead:
+    return Lookahead(row_cost(model, prices.table), knobs.get("ngram") or 4)
+
+
+def for_lookup(model: Llama, prices: Prices, knobs: dict) -> CopyLength:
+    return CopyLength(row_cost(model, prices.table))
+
+
+def for_speculative(target: Llama, draft: Llama | SelfDraft, prices: Prices, knobs: dict) -> DraftLength:
+    return draft_length(target, draft, prices, start=knobs.get("num_draft"))

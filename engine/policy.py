@@ -28,17 +28,20 @@ from engine.lookup import find
 
 # --------------------------------------------------------------------------- prices
 
-SLOPE = {          # (matmul kind, torch's CPU dispatch) -> extra cost of each row past the first
-    ("PackedLinear", "AVX512"): 0.03,   # oneDNN, reordered weights, Zen 4: 8 rows ~ 1.2x one row
-    ("PackedLinear", "AVX2"): 0.10,     # the same on an AVX2-only EPYC: 8 rows 1.74x
+# (matmul kind, torch's CPU dispatch) -> extra cost of each row past the first: least squares
+# of cost(k) = 1 + slope (k - 1), k <= 32, over the tables in docs/forward-cost*.json (EPYCs,
+# 2 threads, SmolLM2-135M; tests/test_policy.py holds each entry to its measurement)
+SLOPE = {
+    ("PackedLinear", "AVX512"): 0.04,   # oneDNN, reordered weights, Zen 4: 8 rows 1.18x one row
+    ("PackedLinear", "AVX2"): 0.04,     # the same on an AVX2-only EPYC: 8 rows 1.17x
     ("Int4Linear", "AVX512"): 0.08,     # torch's int4 kernel: 8 rows ~ 1.6x
-    ("Int4Linear", "AVX2"): 0.27,       # 8 rows 2.9x
+    ("Int4Linear", "AVX2"): 0.25,       # 8 rows 2.7x
     ("Linear", "AVX512"): 0.06,         # nn.Linear (MKL repacks per call): 8 rows ~ 1.4x
-    ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows
+    ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows (not measured here)
 }
 UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
 DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
-    ("Int4Linear", "AVX512"): 0.41,     # the target's weights in 4 bits, Zen 4 (SmolLM2-135M; draft_price)
+    ("Int4Linear", "AVX512"): 0.41,     # the target's weights in 4 bits, Zen 4 (docs/draft-price.json)
     ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
 }
 

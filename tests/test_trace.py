@@ -4,6 +4,7 @@ A reader learns the algorithms from these traces, so a trace that flatters them 
 import json
 
 import pytest
+import torch
 
 from conftest import tiny_llama
 from engine import contrastive, lookahead, lookup, policy, speculative
@@ -189,3 +190,44 @@ def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder,
     assert loud["tokens"] == quiet["tokens"]
     heads = [l for l in err.splitlines() if l.startswith("#")]
     assert len(heads) == loud["n_forwards"] and heads[0].startswith("#0 @") and decoder[0] in heads[0]
+
+
+def model_p(model, prefix: list[int], x: int) -> float:
+    """The model's own probability (temperature 1) of x after prefix, from a fresh forward."""
+    logits = model(torch.tensor([prefix]), torch.arange(len(prefix)))[0, -1]
+    return float(logits.float().softmax(-1)[x])
+
+
+def greedy_probability_lies(name) -> list[str]:
+    steps, _ = traced_steps(name, Sampler(), n_steps=8)
+    wrong, text = [], list(PROMPT)
+    for n, s in enumerate(steps):
+        t = s.trace
+        if t["kind"] == "plain" and abs(t["p_model"] - model_p(TARGET, text, t["token"])) > 1e-9:
+            wrong.append(f"step {n}: p_model {t['p_model']}")
+        for i, d in enumerate(t.get("drafts", [])):
+            prefix = text + [e["token"] for e in t["drafts"][:i]]
+            if d["verdict"] != "unverified" and (abs(d["p_model"] - model_p(TARGET, prefix, d["token"])) > 1e-9
+                                                 or abs(d["q_model"] - model_p(DRAFT, prefix, d["token"])) > 1e-9):
+                wrong.append(f"step {n} draft {i}: p_model {d['p_model']}, q_model {d['q_model']}")
+        text += s.tokens
+    return wrong
+
+
+@pytest.mark.parametrize("name", ["plain", "speculative K=3"])
+def test_a_greedy_trace_shows_the_models_probability_of_each_pick(name):
+    # Why: a greedy law is one-hot, so its p = 1.000 (or q = 0) says nothing about the step;
+    # the trace shows what each model thought of the token instead, and it must be the
+    # probability a fresh forward of that model gives (the target's, and the draft's for q).
+    assert greedy_probability_lies(name) == []
+    steps, _ = traced_steps(name, Sampler(), n_steps=8)
+    shown = "\n".join(line for n, s in enumerate(steps) for line in Tracer(letters).lines(n, s.trace))
+    assert "p=1.000" not in shown and "model" in shown
+
+
+def test_a_greedy_trace_showing_the_one_hot_law_is_caught(monkeypatch):
+    # the broken variant: the drafts' verdicts built without the models' logits, so the
+    # "model's" p and q are the one-hot laws
+    real = speculative.verdicts
+    monkeypatch.setattr(speculative, "verdicts", lambda p, q, drafts, out, u, logits=None: real(p, q, drafts, out, u))
+    assert greedy_probability_lies("speculative K=3")

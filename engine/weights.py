@@ -3,10 +3,7 @@
 A checkpoint directory (config.json, model.safetensors or a sharded index, tokenizer.json,
 tokenizer_config.json, generation_config.json) is the unit everything loads. Loading is
 strict: every tensor maps to a parameter, every parameter is filled, every shape is checked.
-
-A GGUF file is converted into such a directory once, beside the library, by
-`python -m tools.convert` (the only module that imports gguf); `make weights` does it for the
-default model.
+A GGUF file becomes such a directory once, by `python -m tools.convert` (`make weights`).
 """
 from __future__ import annotations
 
@@ -25,23 +22,16 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
           "float64": torch.float64}
 
 # HF checkpoint name -> our parameter name; {i} is the layer index. Names that share a
-# parameter are stacked by rows in this order (q, k, v -> wqkv; gate, up -> w13).
+# parameter are stacked by rows in this order (q, k, v -> wqkv; gate, up -> w13). The biases
+# are there for attention_bias and mlp_bias.
+LINEAR = {"self_attn.q_proj": "attention.wqkv", "self_attn.k_proj": "attention.wqkv",
+          "self_attn.v_proj": "attention.wqkv", "self_attn.o_proj": "attention.wo",
+          "mlp.gate_proj": "feed_forward.w13", "mlp.up_proj": "feed_forward.w13",
+          "mlp.down_proj": "feed_forward.w2"}
 NAME_MAP = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
-    "model.layers.{i}.self_attn.q_proj.weight": "layers.{i}.attention.wqkv.weight",
-    "model.layers.{i}.self_attn.k_proj.weight": "layers.{i}.attention.wqkv.weight",
-    "model.layers.{i}.self_attn.v_proj.weight": "layers.{i}.attention.wqkv.weight",
-    "model.layers.{i}.self_attn.o_proj.weight": "layers.{i}.attention.wo.weight",
-    "model.layers.{i}.mlp.gate_proj.weight": "layers.{i}.feed_forward.w13.weight",
-    "model.layers.{i}.mlp.up_proj.weight": "layers.{i}.feed_forward.w13.weight",
-    "model.layers.{i}.mlp.down_proj.weight": "layers.{i}.feed_forward.w2.weight",
-    "model.layers.{i}.self_attn.q_proj.bias": "layers.{i}.attention.wqkv.bias",   # attention_bias
-    "model.layers.{i}.self_attn.k_proj.bias": "layers.{i}.attention.wqkv.bias",
-    "model.layers.{i}.self_attn.v_proj.bias": "layers.{i}.attention.wqkv.bias",
-    "model.layers.{i}.self_attn.o_proj.bias": "layers.{i}.attention.wo.bias",
-    "model.layers.{i}.mlp.gate_proj.bias": "layers.{i}.feed_forward.w13.bias",      # mlp_bias
-    "model.layers.{i}.mlp.up_proj.bias": "layers.{i}.feed_forward.w13.bias",
-    "model.layers.{i}.mlp.down_proj.bias": "layers.{i}.feed_forward.w2.bias",
+    **{f"model.layers.{{i}}.{hf}.{p}": f"layers.{{i}}.{ours}.{p}"
+       for p in ("weight", "bias") for hf, ours in LINEAR.items()},
     "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
     "model.norm.weight": "norm.weight",
@@ -72,24 +62,20 @@ def sources(name: str) -> list[str]:
 
 # --------------------------------------------------------------------------- loading
 
-MAX_COUNT = 2**31 - 1   # int32 indexing; the real bound is memory, checked by weights.load_model
-
-
 def config_from_hf(d: dict) -> LlamaConfig:
     """From the dict of an HF `config.json` (LlamaForCausalLM or MistralForCausalLM); a wrong
     value is a ValueError naming its field. null counts as absent for the optional fields.
 
-    Mistral is Llama plus a sliding window: key j is visible to query i iff i - j < window. Below
-    the window that is causal attention, so a window smaller than max_position_embeddings caps
-    the usable context (max_seq_len) at the window; a longer run is then refused by the context
-    check like any other (a refusal, never a silently wrong answer), and sliding_window is kept
-    in the config so the message can say why.
+    Mistral is Llama plus a sliding window: key j is visible to query i iff i - j < window, which
+    below the window is causal attention. So a smaller window caps the usable context
+    (max_seq_len) at it: a longer run is refused like any other, never silently wrong, and
+    sliding_window stays in the config so the message can say why.
     """
     if not isinstance(d, dict):
         raise ValueError(f"expected a JSON object, got {type(d).__name__}")
     get = lambda k, default=None: default if d.get(k) is None else d[k]
 
-    def count(k, default=None, top=MAX_COUNT):
+    def count(k, default=None, top=2**31 - 1):   # int32 indexing; load_model checks memory
         v = get(k, default)
         if v is None:
             raise ValueError(f"lacks {k!r}")
@@ -97,12 +83,6 @@ def config_from_hf(d: dict) -> LlamaConfig:
         if isinstance(v, bool) or not isinstance(v, int) or not 1 <= v <= top:
             raise ValueError(f"{k} must be an integer in [1, {top}], got {v!r}")
         return v
-
-    def real(k, default, lo, hi):
-        v = get(k, default)
-        if isinstance(v, bool) or not isinstance(v, (int, float)) or not lo < v < hi:
-            raise ValueError(f"{k} must be a number in ({lo}, {hi}), got {v!r}")
-        return float(v)
 
     def flag(k):
         v = get(k, False)
@@ -133,11 +113,13 @@ def config_from_hf(d: dict) -> LlamaConfig:
         # subtle: an absent sliding_window is MistralConfig's 4096; only an explicit null is none
         window = 4096 if "sliding_window" not in d else count("sliding_window", context)
         window = window if window < context else None
+    eps = get("rms_norm_eps", 1e-6)
+    if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
+        raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
     return LlamaConfig(
         dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
         hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"),
-        norm_eps=real("rms_norm_eps", 1e-6, 0, 1), rope_theta=theta,
-        max_seq_len=min(context, window or context), tie_embeddings=flag("tie_word_embeddings"),
+        norm_eps=float(eps), rope_theta=theta, max_seq_len=window or context, tie_embeddings=flag("tie_word_embeddings"),
         rope_scaling=scaling, head_dim=head_dim, attention_bias=flag("attention_bias"),
         mlp_bias=flag("mlp_bias"), sliding_window=window)
 
@@ -205,8 +187,6 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (not an HF-format checkpoint?)")
     d = read_json(path)
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}")
     if d.get("model_type") not in ("llama", "mistral"):
         raise ValueError(f"{path}: model_type {d.get('model_type')!r}, only 'llama' and 'mistral' load")
     try:
@@ -215,12 +195,18 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
         raise ValueError(f"{path}: {e}") from None
 
 
-def read_json(path: Path):
-    """A JSON file's value; bad bytes or bad JSON is a ValueError naming the file."""
+def read_json(path: Path) -> dict:
+    """A checkpoint's JSON object from `path`, {} if the file is missing; any other shape,
+    bad bytes or bad JSON is a ValueError naming the file."""
+    if not path.is_file():
+        return {}
     try:
-        return json.loads(path.read_bytes().decode("utf-8"))
+        d = json.loads(path.read_bytes().decode("utf-8"))
     except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
         raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0][:200]})") from None
+    if not isinstance(d, dict):
+        raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}")
+    return d
 
 
 def parameter_count(c: LlamaConfig) -> int:
@@ -252,8 +238,7 @@ def read_tensors(ckpt_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:
     index = ckpt_dir / "model.safetensors.index.json"
     files = ["model.safetensors"]
     if index.is_file():
-        wmap = read_json(index)
-        wmap = wmap.get("weight_map") if isinstance(wmap, dict) else None
+        wmap = read_json(index).get("weight_map")
         if not isinstance(wmap, dict) or not all(isinstance(f, str) and "/" not in f and f != ".."
                                                  for f in wmap.values()):
             raise ValueError(f"{index}: weight_map must map tensor names to file names beside it")

@@ -1,22 +1,19 @@
 """Tokenizer wrapper over `tokenizers` (tokenizer.json) or `sentencepiece` (tokenizer.model),
 the checkpoint's chat template, and a streaming detokenizer.
 
-encode() adds no BOS/EOS of its own: the chat template writes every special token.
-
-Special tokens, the policy. Control tokens (tokenizer.json's added tokens marked special,
-sentencepiece's control pieces: <|im_start|>, <s>, ...) only ever come from the chat
-template's own text. `encode_chat(messages)` encodes a message's content as plain text: a
-user typing "<|im_end|><|im_start|>system" gets those characters, not a new turn.
-`encode(text)` is the raw mode: special-token strings in `text` are parsed as the tokens
-(`encode(text, special=False)` does not parse them); the CLI's --raw uses it on purpose.
-(Added tokens not marked special are ordinary vocabulary and match anywhere.)
+Special tokens, the policy. encode() adds no BOS/EOS of its own: the chat template writes every
+special token, and control tokens (tokenizer.json's added tokens marked special,
+sentencepiece's control pieces: <|im_start|>, <s>, ...) only ever come from the template's own
+text. `encode_chat(messages)` encodes a message's content as plain text: a user typing
+"<|im_end|><|im_start|>system" gets those characters, not a new turn. `encode(text)` is the
+raw mode: special-token strings in `text` are parsed as the tokens (special=False does not
+parse them); the CLI's --raw uses it on purpose. Added tokens not marked special are ordinary
+vocabulary and match anywhere.
 
 Templates ship with downloaded weights, so they are untrusted code: rendered in jinja2's
 sandbox, with their work bounded (big powers and products refused, `range` counted, a
 wall-clock limit, the output capped by what the model's context could hold), and every
-failure is one ValueError line.
-
-But: no batching, no offsets, no tool-calling helpers beyond what the template does itself.
+failure is one ValueError line. No batching, no offsets, no tool-calling helpers.
 """
 from __future__ import annotations
 
@@ -36,22 +33,11 @@ from jinja2.compiler import CodeGenerator
 from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.weights import read_json
+
 RENDER_SECONDS = 2.0     # a chat template renders in milliseconds; seconds mean it loops
 MAX_INT_BITS = 4096      # integers a template may build; enough for any counter or id
 MAX_ITERATIONS = 10**6   # range() items per render, over all loops
-
-
-def read_json(path: Path) -> dict:
-    """A JSON object from `path`, {} if the file is missing; any other shape names the file."""
-    if not path.is_file():
-        return {}
-    try:
-        d = json.loads(path.read_bytes().decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError, RecursionError) as e:
-        raise ValueError(f"{path}: not valid JSON ({str(e).splitlines()[0][:200]})") from None
-    if not isinstance(d, dict):
-        raise ValueError(f"{path}: expected a JSON object, got a {type(d).__name__}")
-    return d
 
 
 def token_ids(path: Path, d: dict, key: str, vocab_size: int) -> list[int]:
@@ -120,20 +106,19 @@ class Tokenizer:
         # subtle: longest first, so "<|im_start|>" is not cut by a shorter marker it contains
         alts = "|".join(map(re.escape, sorted(filter(None, specials), key=len, reverse=True)))
         self.special_re = re.compile(f"({alts or '(?!)'})")  # (?!) never matches
-        files = {n: d / n for n in ("tokenizer_config.json", "generation_config.json", "config.json")}
-        tc, gen, cfg = (read_json(f) for f in files.values())
-        ids = [(files["generation_config.json"], gen), (files["config.json"], cfg)]
+        tc, gen, cfg = (read_json(d / n) for n in ("tokenizer_config.json", "generation_config.json", "config.json"))
+        ids = [(d / "generation_config.json", gen), (d / "config.json", cfg)]
         if self.sp is not None:  # the .model itself knows its <s> and </s>; -1 = none
-            ids.append((d / "tokenizer.model", {k: v for k, v in [("bos_token_id", self.sp.bos_id()),
-                                                                  ("eos_token_id", self.sp.eos_id())] if v >= 0}))
-        self.bos_token = token_text(files["tokenizer_config.json"], tc, "bos_token")
-        self.eos_token = token_text(files["tokenizer_config.json"], tc, "eos_token")
+            ids.append((d / "tokenizer.model", {f"{k}_token_id": i for k, i in [("bos", self.sp.bos_id()),
+                                                                              ("eos", self.sp.eos_id())] if i >= 0}))
+        self.bos_token = token_text(d / "tokenizer_config.json", tc, "bos_token")
+        self.eos_token = token_text(d / "tokenizer_config.json", tc, "eos_token")
+        # each file's ids in turn, then the id of tokenizer_config's token string
         by_name = lambda t: [i] if t and (i := self.token_id(t)) is not None and i >= 0 else []
-        bos = [i for p, c in ids for i in token_ids(p, c, "bos_token_id", self.vocab_size)[:1]]
-        self.bos_id = next(iter(bos + by_name(self.bos_token)), None)
+        found = lambda key: [i for p, c in ids for i in token_ids(p, c, f"{key}_token_id", self.vocab_size)]
+        self.bos_id = next(iter(found("bos") + by_name(self.bos_token)), None)
         # every stop id counts: generation_config may list several (<|eot_id|>, <|end_of_text|>)
-        self.eos_ids = {i for p, c in ids for i in token_ids(p, c, "eos_token_id", self.vocab_size)} \
-            | set(by_name(self.eos_token))
+        self.eos_ids = set(found("eos") + by_name(self.eos_token))
         self.chat_template = chat_template(d, tc)
         # a rendered prompt longer than (context x longest token) cannot fit in the context
         context = cfg.get("max_position_embeddings")
@@ -166,13 +151,10 @@ class Tokenizer:
         return self.sp.decode(list(ids))
 
     def encode_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-        """The chat's ids, where only the template's own text may hold control tokens.
-
-        Each special-token string in a message's content is swapped for a placeholder the
-        template cannot know (private-use characters around a random number), the chat is
-        rendered, and each placeholder comes back as its string encoded as plain text.
-        Content without such strings is encoded exactly as render_chat + encode would.
-        """
+        """The chat's ids, where only the template's own text may hold control tokens: each
+        special-token string in a message's content becomes a placeholder the template cannot know
+        (private-use characters around a random number) and, rendered, comes back encoded as plain
+        text. Content without such strings is encoded exactly as render_chat + encode would."""
         nonce = secrets.randbelow(10**12)
         hide = lambda m: self.special_re.sub(lambda x: f"\ue000{nonce}.{x[1]}\ue001", m)
         safe = [m | {"content": hide(m["content"])} if isinstance(m.get("content"), str) else m
@@ -184,7 +166,7 @@ class Tokenizer:
         """The chat as text, rendered by the checkpoint's template under bounds (module doc)."""
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template")
-        env = chat_environment(RENDER_SECONDS, self.max_text_chars)
+        env = BoundedEnvironment(self.max_text_chars)
         out, size = [], 0
         try:  # a syntax error, the template's raise_exception(), a bound, or its own bug
             with alarm(RENDER_SECONDS):
@@ -192,9 +174,7 @@ class Tokenizer:
                 for chunk in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
                                                bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
                     size += len(chunk)
-                    if size > self.max_text_chars:
-                        raise TemplateBound(f"renders more than {self.max_text_chars:,} characters, "
-                                            "more than the model's context can hold")
+                    env.check_size(size, "its output")
                     env.tick()
                     out.append(chunk)
         except (jinja2.TemplateError, TemplateBound) as e:
@@ -260,9 +240,14 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     intercepted_binops = frozenset({"*", "**", "+", "%"})
     code_generator_class = BoundedCodeGenerator
 
-    def __init__(self, seconds: float, max_chars: int, **kw):
-        super().__init__(**kw)
-        self.deadline, self.max_chars, self.iterations = time.monotonic() + seconds, max_chars, 0
+    def __init__(self, max_chars: int):
+        # the settings HF chat templates are written for
+        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
+        self.deadline, self.max_chars, self.iterations = time.monotonic() + RENDER_SECONDS, max_chars, 0
+        self.globals["raise_exception"] = raise_exception
+        self.globals["range"] = self.counted_range
+        self.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
+        self.filters = {name: self.bounded(f) for name, f in self.filters.items()}
 
     def tick(self):
         if time.monotonic() > self.deadline:
@@ -271,6 +256,19 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
     def check_size(self, n, what):
         if n > self.max_chars:
             raise TemplateBound(f"{what} of {n:,} is past the {self.max_chars:,} characters the context can hold")
+
+    def check_ints(self, args, what):   # str.center(10**10), "%*s" % (10**10, x): widths past any output
+        self.tick()
+        for a in args:
+            if isinstance(a, int) and not isinstance(a, bool):
+                self.check_size(abs(a), what)
+
+    def bounded(self, f):   # filters are called directly, not through call(): check their widths too
+        @functools.wraps(f)   # keeps jinja's pass_context marks
+        def g(*args, **kwargs):
+            self.check_ints((*args, *kwargs.values()), "a filter's width or count argument")
+            return f(*args, **kwargs)
+        return g
 
     def concat_bounded(self, parts) -> str:
         self.tick()
@@ -292,18 +290,12 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
                 self.check_size(len(seq) * max(n, 0), "a repeated sequence")
         if operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
             self.check_size(len(left) + len(right), "a concatenation")
-        if operator == "%" and isinstance(left, str):   # "%*s" % (10**10, x) pads without bound
-            args = right if isinstance(right, tuple) else (right,)
-            for a in args:
-                if isinstance(a, int) and not isinstance(a, bool):
-                    self.check_size(abs(a), "a format width")
+        if operator == "%" and isinstance(left, str):
+            self.check_ints(right if isinstance(right, tuple) else (right,), "a format width")
         return super().call_binop(context, operator, left, right)
 
     def call(self, __context, __obj, *args, **kwargs):
-        self.tick()
-        for a in (*args, *kwargs.values()):  # str.center(10**10), "x".ljust(...): widths past any output
-            if isinstance(a, int) and not isinstance(a, bool):
-                self.check_size(abs(a), "a width or count argument")
+        self.check_ints((*args, *kwargs.values()), "a width or count argument")
         return super().call(__context, __obj, *args, **kwargs)
 
     def getattr(self, obj, attribute):
@@ -324,29 +316,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         return r
 
 
-def chat_environment(seconds: float = RENDER_SECONDS, max_chars: int = 10**7) -> BoundedEnvironment:
-    # the settings HF chat templates are written for; sandboxed because templates ship with weights
-    env = BoundedEnvironment(seconds, max_chars, trim_blocks=True, lstrip_blocks=True,
-                             extensions=["jinja2.ext.loopcontrols"])
-
-    def raise_exception(message):
-        raise jinja2.TemplateError(message)
-
-    def bounded(f):   # filters are called directly, not through env.call: check their widths too
-        @functools.wraps(f)   # keeps jinja's pass_context marks
-        def g(*args, **kwargs):
-            env.tick()
-            for a in (*args, *kwargs.values()):
-                if isinstance(a, int) and not isinstance(a, bool):
-                    env.check_size(abs(a), "a filter's width or count argument")
-            return f(*args, **kwargs)
-        return g
-
-    env.globals["raise_exception"] = raise_exception
-    env.globals["range"] = env.counted_range
-    env.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-    env.filters = {name: bounded(f) for name, f in env.filters.items()}
-    return env
+def raise_exception(message):   # HF templates' way to refuse a chat
+    raise jinja2.TemplateError(message)
 
 
 class StreamDecoder:

@@ -118,9 +118,9 @@ def config_from_hf(d: dict) -> LlamaConfig:
         raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
     return LlamaConfig(
         dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
-        hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"),
-        norm_eps=float(eps), rope_theta=theta, max_seq_len=window or context, tie_embeddings=flag("tie_word_embeddings"),
-        rope_scaling=scaling, head_dim=head_dim, attention_bias=flag("attention_bias"),
+        hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"), norm_eps=float(eps),
+        rope_theta=theta, rope_scaling=scaling, max_seq_len=window or context, head_dim=head_dim,
+        tie_embeddings=flag("tie_word_embeddings"), attention_bias=flag("attention_bias"),
         mlp_bias=flag("mlp_bias"), sliding_window=window)
 
 

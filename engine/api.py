@@ -9,6 +9,8 @@
 
 `decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
+`adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced by fixed
+slopes per CPU (engine/policy.py; the CLI measures this machine's); False: the textbook loop.
 A str prompt is chat-templated as the CLI does; a list of ints is sent as it is. Greedy unless
 temperature > 0; `seed` keys the draws. Errors are ValueErrors, as the CLI's `error:` lines.
 """
@@ -23,6 +25,7 @@ from engine.decoders import DECODERS
 from engine.generate import Stats, generate
 from engine.llama import Llama
 from engine.packed import prepack
+from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import default_checkpoint, load_model
@@ -51,7 +54,7 @@ class Engine:
 
     def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               second: int | Llama | None = None, **knobs) -> Iterator[int]:
+               second: int | Llama | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
         """New token ids as they are accepted, EOS included when it comes."""
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
@@ -63,6 +66,8 @@ class Engine:
             raise ValueError(f"{decoder} takes second= (a layer count or a Llama)" if second is None
                              else f"{decoder} takes no second model")
         extra = () if second is None else (d.early_exit(second) if isinstance(second, int) else second,)
+        if d.adapts(knobs, adaptive):
+            knobs = {**knobs, "policy": d.policy(self.model, *extra, Prices(), knobs)}
         steps = d.decode(self.model, *extra, self.ids(prompt), sampler=Sampler(temperature, top_k, top_p),
                          rng=Random(seed), max_new_tokens=max_new_tokens, **knobs)
         self.stats = Stats()

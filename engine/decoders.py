@@ -25,12 +25,16 @@ class Decoder:
     second: str | None = None       # the flag naming its second model: a checkpoint or layers:L
     early_exit: Callable = int      # layers:L -> what decode() takes for an early exit of the target
     policy: Callable | None = None  # (model, [second,] prices, knobs) -> what decode(policy=) takes
+    fixed_by: tuple[str, ...] = ()  # knobs that, given, ask for the textbook loop: no policy
+
+    def adapts(self, knobs: dict, adaptive: bool = True) -> bool:
+        return self.policy is not None and adaptive and not set(self.fixed_by) & set(knobs)
 
 
 DECODERS = {
     "plain": Decoder(plain),
     "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers"),
-                         policy=policy.for_lookahead),
+                         policy=policy.for_lookahead, fixed_by=("window", "guesses")),
     "speculative": Decoder(speculative.decode, ("num_draft", "verify"), "draft", SelfDraft,
                            policy.for_speculative),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",

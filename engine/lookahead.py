@@ -168,7 +168,7 @@ def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], 
 # --------------------------------------------------------------------------- decoder
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
-           window: int = 5, ngram: int = 4, guesses: int | None = None, trim_layers: int = 0,
+           window: int | None = None, ngram: int = 4, guesses: int | None = None, trim_layers: int = 0,
            policy=None, trace: bool = False) -> Iterator[Step]:
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
@@ -181,15 +181,16 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             pool   += (window column + argmax of its newest row) for each column, y's n-grams
             levels <- levels[1:] + [argmax of newest level];  x <- y[-1];  yield y
 
-    W = `window` columns, N = `ngram`, G = `guesses` (default W). `Step.drafted` counts the guess
-    rows verified, `Step.accepted` the guess tokens accepted (> 0 iff a guess hit);
-    `trim_layers` freezes the window's older levels in the last layers. W = 0 with G >= 1 is
+    W = `window` columns, N = `ngram`, G = `guesses` (one given, the other is the same; neither,
+    W = G = 5). `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens
+    accepted (> 0 iff a guess hit); `trim_layers` freezes the window's older levels in the last
+    layers. W = 0 with G >= 1 is
     prompt lookup from the pool (W = G = 0 is refused: plain decoding under another name).
     `policy` (engine/policy.py, Lookahead) chooses each step instead: a copy of the text sent
     alone, a plain step, or the first W' <= W columns and G' guesses; columns not sent pause.
     `trace` puts the step's levels, guesses, choice and verdict in `Step.trace`.
     """
-    N, W = ngram, window
+    N, W = ngram, next((k for k in (window, guesses) if k is not None), 5)
     G = W if guesses is None else guesses
     if policy:                                    # room for the largest choice it can make
         W, G = policy.most_window, policy.most_guesses

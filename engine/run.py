@@ -171,18 +171,8 @@ def models(args, ckpt) -> tuple:
 
 
 def knobs(args) -> dict:
-    """The decoder's knobs the command set; an unset one keeps decode()'s default. Lookahead's
-    --window or --guesses alone sets the other to it."""
-    given = {k: getattr(args, k) for k in DECODERS[args.decoder].knobs if getattr(args, k) is not None}
-    if args.decoder == "lookahead" and ("window" in given) != ("guesses" in given):
-        given["window"] = given["guesses"] = given.get("window", given.get("guesses"))
-    return given
-
-
-def adapts(args) -> bool:
-    """Whether a policy steers the decoder: --adaptive, unless lookahead's knobs are fixed."""
-    fixed = args.decoder == "lookahead" and (args.window is not None or args.guesses is not None)
-    return DECODERS[args.decoder].policy is not None and args.adaptive and not fixed
+    """The decoder's knobs the command set; an unset one keeps decode()'s default."""
+    return {k: getattr(args, k) for k in DECODERS[args.decoder].knobs if getattr(args, k) is not None}
 
 
 def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
@@ -295,13 +285,13 @@ def bound_knobs(args, room: int, context: int) -> None:
                  f"budget can use")
             setattr(args, name, top)
 
-    knobs = DECODERS[args.decoder].knobs
+    names = DECODERS[args.decoder].knobs
     for name in ("window", "guesses", "num_draft", "lookup_tokens"):
-        if name in knobs:
+        if name in names:
             clamp(name, room)
-    if "ngram" in knobs:
+    if "ngram" in names:
         clamp("ngram", room + 1)       # x and N-1 tokens after it
-    if args.decoder == "lookahead" and not adapts(args):
+    if args.decoder == "lookahead" and not DECODERS["lookahead"].adapts(knobs(args), args.adaptive):
         W = args.window if args.window is not None else args.guesses if args.guesses is not None else 5
         N, G = args.ngram or 4, args.guesses if args.guesses is not None else W
         rows = 1 + (N - 1) * (W + max(G, 0))
@@ -340,7 +330,7 @@ def run(args) -> dict:
     model = load(ckpt, args)
     second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
     d, given, policy = DECODERS[args.decoder], knobs(args), None
-    if adapts(args):   # priced by this machine's costs; a note after the answer says where they went
+    if d.adapts(given, args.adaptive):   # priced by this machine's costs; a note says where they went
         second, price_list = prices(args, model, second, notes)
         policy = d.policy(model, *second, price_list, given)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on

@@ -41,6 +41,8 @@ def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
     kw |= {"beta": 0.0} if decoder == "contrastive" else {}
     want = list(llm.tokens("the the the", max_new_tokens=16))
     assert list(llm.tokens("the the the", decoder=decoder, max_new_tokens=16, **kw)) == want
+    # and under a policy (the default: a 1-layer self-draft is priced at K = 0 here)
+    assert list(llm.tokens("the the the", decoder=decoder, max_new_tokens=16, adaptive=False, **kw)) == want
     # and it is the named decoder that ran: plain neither drafts nor runs a second model
     assert (llm.stats.drafted + llm.stats.draft_forwards > 0) == (decoder != "plain")
 

@@ -6,6 +6,7 @@ import torch.nn.functional as F
 from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
+from engine.draft import lower, upper
 from engine.kvcache import KVCache
 from engine.llama import apply_rope, causal_mask, rope
 from engine.weights import config_from_hf
@@ -159,10 +160,10 @@ def test_lower_then_upper_equals_a_cached_forward(seed, split, first):
     model = tiny_llama(seed % 3)
     tokens = tokens_for(seed, 5)
     cache = KVCache.for_model(model, 5)
-    h1 = model.lower(tokens[:, :first], torch.arange(first), cache, split)
-    h2 = model.lower(tokens[:, first:], torch.arange(first, 5), cache, split)
+    h1 = lower(model, tokens[:, :first], torch.arange(first), cache, split)
+    h2 = lower(model, tokens[:, first:], torch.arange(first, 5), cache, split)
     assert cache.length == 5
-    x = model.upper(torch.cat([h1, h2], 1), torch.arange(5), cache, 0, split)
+    x = upper(model, torch.cat([h1, h2], 1), torch.arange(5), cache, 0, split)
     assert cache.length == 5
     want_cache = KVCache.for_model(model, 5)
     want = model(tokens, torch.arange(5), want_cache)

@@ -132,9 +132,7 @@ class Tokenizer:
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`; special: parse special-token strings in it as those tokens."""
         if self.hf is not None:
-            if special:
-                return self.hf.encode(text, add_special_tokens=False).ids
-            self.hf.encode_special_tokens = True   # their strings become ordinary text
+            self.hf.encode_special_tokens = not special   # True: their strings become ordinary text
             try:
                 return self.hf.encode(text, add_special_tokens=False).ids
             finally:

@@ -5,8 +5,9 @@ than its exploration budget; and a decoder under any policy prints the textbook 
 Each property is shown to catch a broken variant."""
 import inspect
 import json
+import sys
 from pathlib import Path
-from types import SimpleNamespace
+from types import ModuleType
 
 import pytest
 import torch
@@ -276,9 +277,9 @@ def broken(module, old: str, new: str):
     to show a call-site test fails on it (the module itself is left alone)."""
     src = inspect.getsource(module)
     assert src.count(old) == 1, old
-    namespace = {"__name__": module.__name__ + "_broken"}
-    exec(compile(src.replace(old, new), module.__file__, "exec"), namespace)
-    return SimpleNamespace(**namespace)
+    copy = sys.modules[module.__name__ + "_broken"] = ModuleType(module.__name__ + "_broken")
+    exec(compile(src.replace(old, new), module.__file__, "exec"), copy.__dict__)   # dataclasses look it up
+    return copy
 
 
 class Said:
@@ -427,13 +428,13 @@ def pool_adds(monkeypatch, decoder, model, prompt, n):
 def test_lookahead_pools_every_ngram_of_the_text_it_emits(monkeypatch):
     # Why: the pool's call site. Multi-token steps emit several n-grams at once; each must reach
     # the pool, or the guesses a repeated phrase should bring back are never made.
-    model, prompt = tiny_llama(0, vocab=3), prompt_for(0, 6, 3)
-    added, tokens = pool_adds(monkeypatch, lookahead, model, prompt, 30)
+    model, prompt = tiny_llama(0, vocab=12), prompt_for(0, 6, 12) * 3    # a phrase that repeats
+    added, tokens = pool_adds(monkeypatch, lookahead, model, prompt, 40)
     text = prompt + tokens
     assert all(tuple(text[i:i + 3]) in added for i in range(len(text) - 2))
     # the broken variant: only the n-gram ending at a step's last token is pooled
     bad = broken(lookahead, "pool.add_text(text, len(text) - len(out))", "pool.add_text(text, len(text) - 1)")
-    added, tokens = pool_adds(monkeypatch, bad, model, prompt, 30)
+    added, tokens = pool_adds(monkeypatch, bad, model, prompt, 40)
     text = prompt + tokens
     assert not all(tuple(text[i:i + 3]) in added for i in range(len(text) - 2))
 
@@ -571,3 +572,28 @@ def test_a_slope_not_measured_is_caught(monkeypatch):
     monkeypatch.setitem(policy.SLOPE, ("PackedLinear", "AVX2"), 0.10)
     with pytest.raises(AssertionError):
         test_the_fixed_slopes_are_the_measured_ones(Path(__file__).parent.parent / "docs/forward-cost.json")
+
+
+def copier_calls(module, text: list[int], rooms) -> list[tuple]:
+    """(beat, room, best arm value) of each call lookahead's policy makes to its copy pricer."""
+    pol = module.Lookahead(lambda k: 1 + 0.02 * (k - 1), 4)
+    calls, length = [], pol.copier.length
+    pol.copier.length = lambda t, full, n, beat=1.0, room=None: (
+        calls.append((beat, room, pol.arms.best())), length(t, full, n, beat, room))[1]
+    for i, room in enumerate(rooms):
+        pol.choose(text[:8 + i], room)
+        pol.update(2, 7)
+    return calls
+
+
+def test_lookaheads_policy_prices_a_copy_against_its_best_arm_and_the_room_left():
+    # Why: the pricer's call site inside the policy: a copy must beat the best arm tried so far
+    # (not plain's 1 alone), and never run past the budget the decoder says is left
+    text, rooms = [1, 2, 3, 1, 2, 3, 1, 2] * 6, [9, 5, 0, 3] * 5
+    calls = copier_calls(policy, text, rooms)
+    assert [(b, r) for b, r, _ in calls] == [(best, r) for (_, _, best), r in zip(calls, rooms)]
+    # the broken variant: priced against plain's 1 and an unbounded room
+    bad = broken(policy, "copy = full[:self.copier.length(text, full, m, self.arms.best(), room)]",
+                 "copy = full[:self.copier.length(text, full, m, 1.0, None)]")
+    calls = copier_calls(bad, text, rooms)
+    assert [(b, r) for b, r, _ in calls] != [(best, r) for (_, _, best), r in zip(calls, rooms)]

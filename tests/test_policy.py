@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from hypothesis import Phase, given, settings, strategies as st
+from hypothesis import Phase, example, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
 from engine import lookahead, lookup, policy, speculative
@@ -202,6 +202,7 @@ def recount(text: list[int], starts: list[int], ngram: int = 4, most: int = 8):
 
 @given(text=st.lists(st.integers(0, 3), min_size=3, max_size=80),
        sizes=st.lists(st.integers(1, 9), min_size=1, max_size=80))
+@example(text=[0, 1, 2] * 4, sizes=[1] * 12)   # proposals that agree with one-token steps so far
 def test_priced_copy_scores_every_proposal_by_the_text_that_followed(text, sizes):
     # Why: the copy arm's prices are learned from shadow checks: every proposal, sent or not,
     # counts as far as the text after it agreed, once that is decided. Fed in steps of any
@@ -230,10 +231,10 @@ def test_priced_copy_test_catches_scoring_a_proposal_before_it_is_decided(monkey
         self.pending = []
     monkeypatch.setattr(policy.CopyLength, "learn", hasty)
     inner = test_priced_copy_scores_every_proposal_by_the_text_that_followed.hypothesis.inner_test
-    quick = settings(max_examples=60, phases=[Phase.generate], database=None, deadline=None, derandomize=True)
+    # subtle: pinned, not searched: a 60-example search found it alone but missed it inside the
+    # full suite once (hypothesis draws differently there), and a catch must not hang on luck
     with pytest.raises(AssertionError):
-        quick(given(text=st.lists(st.integers(0, 3), min_size=3, max_size=80),
-                    sizes=st.lists(st.integers(1, 9), min_size=1, max_size=80))(inner))()
+        inner(text=[0, 1, 2] * 4, sizes=[1] * 12)
 
 
 def priced_guesses(text: list[int], cost, step: int = 1) -> list[list[int]]:

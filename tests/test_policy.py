@@ -11,7 +11,7 @@ from types import ModuleType
 
 import pytest
 import torch
-from hypothesis import Phase, example, given, settings, strategies as st
+from hypothesis import example, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
 from engine import lookahead, lookup, policy, speculative

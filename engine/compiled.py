@@ -22,6 +22,7 @@ from __future__ import annotations
 from typing import Callable
 
 import torch
+import torch.fx.experimental._config
 from torch import Tensor, nn
 
 from engine.kvcache import KVCache
@@ -118,8 +119,11 @@ def compile_model(model: Llama, notify: Callable[[str], None]) -> Llama:
         for i, block in enumerate(blocks):
             model.layers[i] = CompiledBlock(block, shared)
         # subtle: past dynamo's recompile limit (8 graphs a function, counted over every model
-        # compiled in this process) a frame silently runs eager; here that must be an error
-        with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True):
+        # compiled in this process) a frame silently runs eager; here that must be an error.
+        # And with duck shapes, the warm-up's T = 3 rows would share a symbol with SmolLM2's
+        # Hkv = 3 and be specialized to 3: every other row count would need a new graph
+        with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \
+                torch.fx.experimental._config.patch(use_duck_shape=False):
             warm_up(model)
     except Exception as e:  # noqa: BLE001 -- no compiler, a compile error, a bad cached artifact
         for i, block in enumerate(blocks):
@@ -145,7 +149,12 @@ def warm_up(model: Llama) -> None:
         for keep, trim in ((None, 0), ([0, 2], 1), ([1], 1)):
             cache.length = n
             model(tokens, torch.arange(n, n + P), cache, mask=mask, keep=keep, trim_layers=trim)
-    model(tokens[:, :1], torch.tensor([P]), cache)                            # T = 1 at n > 1
+    # subtle: a window that fills the cache is contiguous, and the cache write's graph depends
+    # on that: one row and k rows get a graph for the last slots too
+    for n, T in ((P, 1), (cache.capacity - 1, 1), (cache.capacity - P, P)):
+        cache.length = n
+        mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool).tril(n)   # (T, S)
+        model(tokens[:, :T], torch.arange(n, n + T), cache, mask=mask)
 
 
 def first_line(e: Exception) -> str:

@@ -152,13 +152,16 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     g = H // Hkv
     qg = (q * D ** -0.5).reshape(B, Hkv, g * T, D)                    # (B, Hkv, gT, D), head h -> h // g
     # subtle: the cache's views are strided by its capacity between heads; bmm would copy
-    # them anyway, through a slower path than .contiguous() (~15 us a layer at S = 100 here)
-    s = (qg @ k.contiguous().transpose(-1, -2)).float()               # (B, Hkv, gT, S)
+    # them anyway, through a slower path than a clone (~15 us a layer at S = 100 here). A
+    # clone, not .contiguous(): that one asks whether the cache is full, and a compiled graph
+    # (engine/compiled.py) would be specialized on the answer
+    k, v = (x.clone(memory_format=torch.contiguous_format) for x in (k, v))
+    s = (qg @ k.transpose(-1, -2)).float()                            # (B, Hkv, gT, S)
     if attn_mask is not None:
         s.masked_fill_(~attn_mask.repeat(g, 1), float("-inf"))        # mask (T, S) -> (gT, S)
     e = s.sub_(s.amax(-1, keepdim=True)).exp_()                       # exp(s - max): masked keys 0
     p = e.div_(e.cumsum(-1)[..., -1:])                                # subtle: cumsum, not sum
-    return (p.to(q.dtype) @ v.contiguous()).view(B, H, T, D)          # (B, H, T, D)
+    return (p.to(q.dtype) @ v).view(B, H, T, D)                       # (B, H, T, D)
 
 
 def rows_round_alike(model: Llama, k: int = 8) -> bool:

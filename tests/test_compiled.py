@@ -17,7 +17,7 @@ from conftest import prompt_for, run, tiny_llama
 from engine import compiled, lookahead, lookup, packed
 from engine.generate import plain
 from engine.kvcache import KVCache
-from engine.llama import Block
+from engine.llama import Block, Llama, LlamaConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 needs_bf16 = pytest.mark.skipif(not packed.can_prepack(torch.zeros(1, dtype=torch.bfloat16)),
@@ -27,8 +27,15 @@ V = 64
 
 def exact_int4():
     """The exact 4-bit path on a tiny model: int4 layers, bf16 head padded to two rows,
-    invariant_attention (what --int4 --batch-invariant builds)."""
-    model = tiny_llama(0, vocab=V, hidden=64).float()
+    invariant_attention (what --int4 --batch-invariant builds). Hkv = 3 as SmolLM2's, which
+    the warm-up's 3 rows must not be confused with (see the row-count test)."""
+    cfg = LlamaConfig(dim=96, n_layers=2, n_heads=6, n_kv_heads=3, hidden_dim=64, vocab_size=V)
+    model = Llama(cfg).float().requires_grad_(False)
+    g = torch.Generator().manual_seed(0)
+    for name, p in sorted(model.named_parameters()):
+        p.data = 1 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight") else \
+            torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+    model.tok_embeddings.weight.data *= 96 ** 0.5 / 4
     return packed.prepack(packed.quantize_int4(model), batch_invariant=True)
 
 
@@ -89,6 +96,20 @@ def test_mixing_compiled_one_row_and_eager_k_rows_is_caught(fast):
     eager = exact_int4()
     assert torch.equal(k_row_forward(eager, PROMPT, NEXT), one_row_steps(eager, PROMPT, NEXT))
     assert not torch.equal(k_row_forward(eager, PROMPT, NEXT), one_row_steps(model, PROMPT, NEXT))
+
+
+@needs_bf16
+def test_any_row_count_runs_on_the_warmed_up_graphs(fast):
+    # Why: a decoder sends 1..~40 rows a step, and prompts of any length; each must run on a
+    # graph warm_up compiled, not recompile (seconds, and refused). Caught broken variant:
+    # duck shapes, which tied the warm-up's 3 rows to Hkv = 3 and so compiled T = 3 only
+    model, notes = fast
+    for T in (2, 3, 4, 7, 12, 29):
+        cache = KVCache.for_model(model, 2 * T + 1)
+        model(torch.zeros(1, T, dtype=torch.long), torch.arange(T), cache)              # prompt
+        model(torch.zeros(1, T, dtype=torch.long), torch.arange(T, 2 * T), cache)       # k rows
+        model(torch.zeros(1, 1, dtype=torch.long), torch.tensor([2 * T]), cache)        # one row
+    assert notes == []
 
 
 @needs_bf16

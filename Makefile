@@ -77,6 +77,16 @@ quality: weights
 	$(PY) -m tools.fidelity
 	$(PY) -m tools.quality
 
+# The exact paths, measured: on --int4 and bf16 with --batch-invariant, every decoder's greedy and
+# seeded tokens against that path's plain on every bench prompt (bench-out/exact-<dispatch>.*),
+# under this CPU's kernel dispatch and then the second one, as `make test`'s second pass. Slow
+# (hours on 2 cores at 64 tokens; QUICK=1 is one prompt per category); not part of `make test`.
+.PHONY: exact
+exact: weights
+	$(PY) -m tools.exact $(if $(QUICK),--quick)
+	ATEN_CPU_CAPABILITY=$(word 1,$(SECOND)) ONEDNN_MAX_CPU_ISA=$(word 2,$(SECOND)) \
+	  $(PY) -m tools.exact $(if $(QUICK),--quick)
+
 clean:
 	rm -rf $(VENV) $(CKPT) .pytest_cache .hypothesis bench-out
 	find . -name __pycache__ -prune -exec rm -rf {} +

@@ -1,0 +1,185 @@
+"""The exact paths, measured: on int4 and bf16 with --batch-invariant, does every decoder print
+that path's plain tokens, greedy and seeded, on every bench prompt?
+
+    python -m tools.exact [--quick] [--max-new-tokens 64] [--contrast] [--out bench-out]
+
+--int4 (4-bit layer weights, bf16 activations) and bf16 are inexact: a k-row forward (what
+lookahead, lookup and speculative verification run) may round a row apart from plain's one-row
+forward, so an accelerated decoder could leave plain's tokens on that very path.
+prepack(batch_invariant=True) makes every kernel row-invariant; rows_round_alike() probes it.
+This sweep is the proof in tokens: per path, plain greedy and plain sampled (temperature 0.8,
+seed = the prompt's index) are the references, and every other decoder, textbook and with its
+policy, is compared with them token by token. Rows whose seeded tokens are not promised equal
+are run greedy only: speculative with rejection verification (it keeps plain's law, not its
+draws), and contrastive (its drafts are verified by rejection, and its law keeps only the
+plausible set, alpha = 0.1, even at beta = 0). --contrast adds the same paths without
+--batch-invariant, where differences are expected. Run it under each kernel dispatch
+(ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for the second, as `make exact` does); the
+files are named by the dispatch, exact-<dispatch>.{md,json}.
+"""
+from __future__ import annotations
+
+import json
+import shlex
+import sys
+import time
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from engine.decoders import DECODERS
+from engine.draft import SelfDraft
+from engine.generate import generate
+from engine.packed import prepack, quantize_int4, rows_round_alike
+from engine.policy import Prices
+from engine.sampling import Random, Sampler
+from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.machine import describe, machine
+
+MODES = {"greedy": Sampler(), "seeded": Sampler(temperature=0.8)}
+PATHS = {"int4 batch-invariant": (True, True), "bf16 batch-invariant": (False, True)}
+CONTRAST = {"int4": (True, False), "bf16": (False, False)}    # name -> (int4, batch_invariant)
+
+
+@dataclass(frozen=True)
+class Run:
+    name: str
+    decode: Callable                    # decode(model, *second, prompt, sampler=, rng=, ...)
+    second: tuple = ()                  # the second model: a SelfDraft or an early-exit int
+    knobs: Callable = lambda model: {}  # model -> keywords, built afresh per run (a policy learns)
+    modes: tuple = tuple(MODES)
+
+
+def runs() -> list[Run]:
+    """Every decoder but plain, textbook and with its policy (the CLI's default)."""
+    la, lu, sp, cd = (DECODERS[n] for n in ("lookahead", "lookup", "speculative", "contrastive"))
+    draft = SelfDraft(20)               # the target's first 20 of 30 layers
+    return [
+        Run("lookahead W5 N4 G5", la.decode, (), lambda m: {"window": 5, "ngram": 4, "guesses": 5}),
+        Run("lookahead policy", la.decode, (), lambda m: {"policy": la.policy(m, Prices(), {})}),
+        Run("lookup K8", lu.decode, (), lambda m: {"lookup_tokens": 8}),
+        Run("lookup policy", lu.decode, (), lambda m: {"policy": lu.policy(m, Prices(), {})}),
+        Run("speculative K4 rejection", sp.decode, (draft,),
+            lambda m: {"num_draft": 4, "verify": "rejection"}, ("greedy",)),
+        Run("speculative K4 coupled", sp.decode, (draft,), lambda m: {"num_draft": 4, "verify": "coupled"}),
+        Run("speculative policy coupled", sp.decode, (draft,),
+            lambda m: {"verify": "coupled", "policy": sp.policy(m, draft, Prices(), {})}),
+        Run("contrastive beta=0 K3 amateur 8", cd.decode, (8,),
+            lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
+    ]
+
+
+def progress(msg: str) -> None:
+    print(msg, file=sys.stderr, flush=True)
+
+
+def tokens(decode: Callable, model, second: tuple, prompt: list[int], mode: str, seed: int,
+           n: int, eos, knobs: dict) -> list[int]:
+    steps = decode(model, *second, prompt, sampler=MODES[mode], rng=Random(seed), max_new_tokens=n, **knobs)
+    return list(generate(steps, max_new_tokens=n, eos_ids=eos))
+
+
+def compare(labels: list[str], ref: list[list[int]], got: list[list[int]]) -> dict:
+    """Prompts whose tokens are identical, of all, and where the first difference is."""
+    first = None
+    for label, a, b in zip(labels, ref, got):
+        if a != b and first is None:
+            pos = next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+            first = {"prompt": label, "position": pos, "plain": a[pos:pos + 1], "decoder": b[pos:pos + 1]}
+    return {"identical": sum(a == b for a, b in zip(ref, got)), "total": len(ref), "first": first}
+
+
+def sweep(model, prompts: dict[str, list[int]], eos, n: int, rows: list[Run], tag: str = "") -> dict:
+    """{run name: {mode: compare(...)}}: each run's tokens against plain's, prompt by prompt;
+    prompt i is sampled with seed i."""
+    labels, got = list(prompts), {}
+    for r in [Run("plain", DECODERS["plain"].decode)] + rows:
+        for mode in r.modes:
+            t0 = time.perf_counter()
+            got[r.name, mode] = [tokens(r.decode, model, r.second, p, mode, i, n, eos, r.knobs(model))
+                                 for i, p in enumerate(prompts.values())]
+            done = compare(labels, got["plain", mode], got[r.name, mode])
+            progress(f"{tag}{r.name} {mode}: {done['identical']}/{done['total']} identical to plain "
+                     f"({time.perf_counter() - t0:.0f} s)")
+    return {r.name: {m: compare(labels, got["plain", m], got[r.name, m]) for m in r.modes} for r in rows}
+
+
+def load(checkpoint: Path, int4: bool, batch_invariant: bool):
+    """As engine/run.py's load(): int4 from the fp32 weights, else bf16; then prepack."""
+    from engine.weights import load_model
+    model = (quantize_int4(load_model(checkpoint, "cpu", torch.float32)) if int4
+             else load_model(checkpoint, "cpu", torch.bfloat16))
+    return prepack(model, batch_invariant=batch_invariant)
+
+
+def cell(c: dict | None) -> str:
+    if c is None:
+        return "-"
+    s = f"{c['identical']}/{c['total']}"
+    f = c["first"]
+    return s + (f" (first: {f['prompt']} @ {f['position']})" if f else "")
+
+
+def table(result: dict) -> str:
+    lines = [f"Every decoder's tokens against plain's on the same path, {result['max_new_tokens']} new "
+             f"tokens, {result['prompts']} prompts: prompts identical / total.",
+             f"Machine: {describe(result['machine'])}.", "",
+             "| path | rows round alike | decoder | greedy | seeded (T=0.8, seed = prompt index) |",
+             "|---|---|---|---|---|"]
+    for path, r in result["paths"].items():
+        for name, modes in r["decoders"].items():
+            lines.append(f"| {path} | {r['rows_round_alike']} | {name} | {cell(modes.get('greedy'))} "
+                         f"| {cell(modes.get('seeded'))} |")
+    return "\n".join(lines) + "\n"
+
+
+def parse_args(argv):
+    from engine.weights import DEFAULT_CHECKPOINT
+    p = Parser(prog="python -m tools.exact", description=__doc__.split("\n")[0])
+    p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
+    p.add_argument("--max-new-tokens", type=int, default=64)
+    p.add_argument("--quick", action="store_true", help="one prompt per category")
+    p.add_argument("--contrast", action="store_true",
+                   help="also the same paths without --batch-invariant (differences expected)")
+    p.add_argument("--out", type=Path, default=Path("bench-out"))
+    args = p.parse_args(argv)
+    at_most(p, args, {"max_new_tokens": 4096})
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    from tools.bench import bench_prompts
+    try:
+        out = out_dir(args.out)
+        by_cat, eos = bench_prompts(args.checkpoint, args.quick)
+        prompts = {f"{cat}#{i}": p for cat, ps in by_cat.items() for i, p in enumerate(ps)}
+        result = {"machine": machine(), "dispatch": torch.backends.cpu.get_cpu_capability(),
+                  "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "seconds": 0,
+                  "paths": {}, "command": "python -m tools.exact " + shlex.join(sys.argv[1:] if argv is None else argv)}
+        t0 = time.perf_counter()
+        for path, (int4, invariant) in (PATHS | (CONTRAST if args.contrast else {})).items():
+            progress(f"{path}: loading {args.checkpoint}")
+            model = load(args.checkpoint, int4, invariant)
+            result["paths"][path] = {"rows_round_alike": rows_round_alike(model), "decoders": sweep(
+                model, prompts, eos, args.max_new_tokens, runs(), f"{path}: ")}
+            del model
+            result["seconds"] = round(time.perf_counter() - t0)
+            write(out, result)   # after each path: a run cut short keeps the paths it finished
+    except (OSError, ValueError) as e:
+        print(f"tools.exact: error: {e}", file=sys.stderr)
+        return 2
+    print(table(result), end="")
+    return 0
+
+
+def write(out: Path, result: dict) -> None:
+    name = f"exact-{result['dispatch']}"
+    write_atomic(out / f"{name}.json", (json.dumps(result, indent=1) + "\n").encode())
+    write_atomic(out / f"{name}.md", table(result).encode())
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -6,11 +6,17 @@ few C++ loops and its C++ wrapper calls them with no Python in between (docs/com
 
     model = compile_model(prepack(quantize_int4(load_model(ckpt))), notify=print)
 
-One function serves all L blocks: a block's weights are its inputs, not constants, so it
-compiles once (seconds) rather than once per layer, at the cost of one call per layer. The
-cache is handed to it as the layer's two buffers and the slot count, so that nothing it
-traces depends on which layer runs; shapes are dynamic (one graph for every S, one for T = 1
-and one for T >= 2), compiled up front by `warm_up`, and a later recompile is refused.
+One function serves all L blocks: a block's weights are its inputs, not constants, so its
+graphs compile once (seconds each) rather than once per layer, at the cost of one call per
+layer. The cache is handed to it as the layer's slots [0, S) and the committed count, so that
+nothing it traces depends on which layer runs. Shapes are dynamic: one graph serves every S
+and every k, but one row, 0 or 1 cached slots, trimmed rows and a full cache each get their
+own, all compiled up front by `warm_up` (20-80 s here, docs/compile.md); a later recompile
+is refused.
+
+Exactness: on the batch-invariant path, the compiled k-row graphs round each row as the
+compiled one-row graph does (tests/test_compiled.py), but not as eager does, so one-row
+steps and k-row steps must both run compiled or both eager.
 
 Never a traceback, never a wrong answer: where no compiler works, compiling fails, or a
 cached artifact will not load, `notify` gets one line and the model runs eager. A model that

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compiled import compile_model
 from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -102,6 +103,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
+    p.add_argument("--compile", action="store_true",
+                   help="opt-in: run the layers through torch.compile (inductor, C++; engine/compiled.py), "
+                        "compiled when the model loads (tens of seconds); where no compiler works, one "
+                        "notice and eager. On --int4 --batch-invariant still every decoder's plain tokens")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
@@ -192,12 +197,14 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
 
 
 def load(ckpt, args):
-    """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack."""
+    """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack,
+    compiled last with --compile (a failure is one notice, and the model stays eager)."""
     if args.int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
         model = quantize_int4(load_model(ckpt, args.device, torch.float32))
     else:
         model = load_model(ckpt, args.device, DTYPES[args.dtype])
-    return model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
+    model = model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
+    return compile_model(model, notify=lambda line: warn(f"note: {line}")) if args.compile else model
 
 
 def check_flags(args) -> None:
@@ -213,6 +220,8 @@ def check_flags(args) -> None:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
         raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
+    if args.compile and device(args.device).type != "cpu":
+        raise ValueError("--compile is built and tested for the CPU (engine/compiled.py); drop it on --device cuda")
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     for flag in ("checkpoint", "draft", "amateur"):

@@ -27,6 +27,7 @@ from pathlib import Path
 
 import torch
 
+from engine.compiled import compile_model
 from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -230,7 +231,8 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 # a config is compared with plain, unless it runs on another model: then with plain on that one
 BASELINE = {"lookahead auto --int4": "plain --int4",
-            "lookahead auto --int4 --batch-invariant": "plain --int4 --batch-invariant"}
+            "lookahead auto --int4 --batch-invariant": "plain --int4 --batch-invariant",
+            "lookahead auto --int4 --batch-invariant --compile": "plain --int4 --batch-invariant --compile"}
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
@@ -513,6 +515,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="SmolLM2-135M shapes with random weights (forward cost without a checkpoint)")
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
+    p.add_argument("--compile", action="store_true",
+                   help="add the exact 4-bit path compiled (engine/compiled.py): plain and lookahead auto")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
@@ -634,6 +638,13 @@ def run(args: argparse.Namespace) -> dict:
                                                                               args.max_new_tokens, eos)
             configs["lookahead auto --int4 --batch-invariant"] = lambda p: decode_once(
                 qx, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
+            if args.compile:   # the exact 4-bit path through engine/compiled.py (opt-in)
+                qc = compile_model(prepack(quantize_int4(load_model(args.checkpoint)), batch_invariant=True),
+                                   notify=progress)
+                configs["plain --int4 --batch-invariant --compile"] = lambda p: decode_once(
+                    qc, p, CONFIGS["plain"], args.max_new_tokens, eos)
+                configs["lookahead auto --int4 --batch-invariant --compile"] = lambda p: decode_once(
+                    qc, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
             # the same 4-bit model as speculative's draft, the fp32 target deciding: fp32's tokens
             configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))
             result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)

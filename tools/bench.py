@@ -638,7 +638,9 @@ def run(args: argparse.Namespace) -> dict:
                                                                               args.max_new_tokens, eos)
             configs["lookahead auto --int4 --batch-invariant"] = lambda p: decode_once(
                 qx, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
-            if args.compile:   # the exact 4-bit path through engine/compiled.py (opt-in)
+            if args.compile:   # the 4-bit path through engine/compiled.py (opt-in), inexact and exact
+                qi = compile_model(prepack(quantize_int4(load_model(args.checkpoint))), notify=progress)
+                configs["plain --int4 --compile"] = lambda p: decode_once(qi, p, CONFIGS["plain"], args.max_new_tokens, eos)
                 qc = compile_model(prepack(quantize_int4(load_model(args.checkpoint)), batch_invariant=True),
                                    notify=progress)
                 configs["plain --int4 --batch-invariant --compile"] = lambda p: decode_once(

@@ -80,12 +80,13 @@ quality: weights
 # The exact paths, measured: on --int4 and bf16 with --batch-invariant, every decoder's greedy and
 # seeded tokens against that path's plain on every bench prompt (bench-out/exact-<dispatch>.*),
 # under this CPU's kernel dispatch and then the second one, as `make test`'s second pass. Slow
-# (hours on 2 cores at 64 tokens; QUICK=1 is one prompt per category); not part of `make test`.
+# (hours on 2 cores at 64 tokens); EXACT_FLAGS="--quick --max-new-tokens 24" is one prompt per
+# category, and --no-batch-invariant the contrast. Not part of `make test` (docs/exact-paths.md).
 .PHONY: exact
 exact: weights
-	$(PY) -m tools.exact $(if $(QUICK),--quick)
+	$(PY) -m tools.exact $(EXACT_FLAGS)
 	ATEN_CPU_CAPABILITY=$(word 1,$(SECOND)) ONEDNN_MAX_CPU_ISA=$(word 2,$(SECOND)) \
-	  $(PY) -m tools.exact $(if $(QUICK),--quick)
+	  $(PY) -m tools.exact $(EXACT_FLAGS)
 
 clean:
 	rm -rf $(VENV) $(CKPT) .pytest_cache .hypothesis bench-out

@@ -1,7 +1,7 @@
 """The exact paths, measured: on int4 and bf16 with --batch-invariant, does every decoder print
 that path's plain tokens, greedy and seeded, on every bench prompt?
 
-    python -m tools.exact [--quick] [--max-new-tokens 64] [--contrast] [--out bench-out]
+    python -m tools.exact [--quick] [--max-new-tokens 64] [--no-batch-invariant] [--out bench-out]
 
 --int4 (4-bit layer weights, bf16 activations) and bf16 are inexact: a k-row forward (what
 lookahead, lookup and speculative verification run) may round a row apart from plain's one-row
@@ -12,10 +12,10 @@ seed = the prompt's index) are the references, and every other decoder, textbook
 policy, is compared with them token by token. Rows whose seeded tokens are not promised equal
 are run greedy only: speculative with rejection verification (it keeps plain's law, not its
 draws), and contrastive (its drafts are verified by rejection, and its law keeps only the
-plausible set, alpha = 0.1, even at beta = 0). --contrast adds the same paths without
---batch-invariant, where differences are expected. Run it under each kernel dispatch
+plausible set, alpha = 0.1, even at beta = 0). --no-batch-invariant runs the same paths
+without it, for contrast: there differences are expected. Run it under each kernel dispatch
 (ATEN_CPU_CAPABILITY=avx2 ONEDNN_MAX_CPU_ISA=AVX2 for the second, as `make exact` does); the
-files are named by the dispatch, exact-<dispatch>.{md,json}.
+files are named by the dispatch: exact-<dispatch>[-no-batch-invariant].{md,json}.
 """
 from __future__ import annotations
 
@@ -39,8 +39,8 @@ from tools.cli import Parser, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
 MODES = {"greedy": Sampler(), "seeded": Sampler(temperature=0.8)}
-PATHS = {"int4 batch-invariant": (True, True), "bf16 batch-invariant": (False, True)}
-CONTRAST = {"int4": (True, False), "bf16": (False, False)}    # name -> (int4, batch_invariant)
+PATHS = {"int4 batch-invariant": (True, True), "bf16 batch-invariant": (False, True)}  # name -> (int4, invariant)
+CONTRAST = {"int4": (True, False), "bf16": (False, False)}    # --no-batch-invariant
 
 
 @dataclass(frozen=True)
@@ -141,8 +141,8 @@ def parse_args(argv):
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="one prompt per category")
-    p.add_argument("--contrast", action="store_true",
-                   help="also the same paths without --batch-invariant (differences expected)")
+    p.add_argument("--no-batch-invariant", action="store_true",
+                   help="the same paths without --batch-invariant, for contrast (differences expected)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     at_most(p, args, {"max_new_tokens": 4096})
@@ -158,9 +158,9 @@ def main(argv: list[str] | None = None) -> int:
         prompts = {f"{cat}#{i}": p for cat, ps in by_cat.items() for i, p in enumerate(ps)}
         result = {"machine": machine(), "dispatch": torch.backends.cpu.get_cpu_capability(),
                   "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "seconds": 0,
-                  "paths": {}, "command": "python -m tools.exact " + shlex.join(sys.argv[1:] if argv is None else argv)}
+                  "batch_invariant": not args.no_batch_invariant, "paths": {}, "command": "python -m tools.exact " + shlex.join(sys.argv[1:] if argv is None else argv)}
         t0 = time.perf_counter()
-        for path, (int4, invariant) in (PATHS | (CONTRAST if args.contrast else {})).items():
+        for path, (int4, invariant) in (CONTRAST if args.no_batch_invariant else PATHS).items():
             progress(f"{path}: loading {args.checkpoint}")
             model = load(args.checkpoint, int4, invariant)
             result["paths"][path] = {"rows_round_alike": rows_round_alike(model), "decoders": sweep(
@@ -176,7 +176,7 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def write(out: Path, result: dict) -> None:
-    name = f"exact-{result['dispatch']}"
+    name = f"exact-{result['dispatch']}" + ("" if result["batch_invariant"] else "-no-batch-invariant")
     write_atomic(out / f"{name}.json", (json.dumps(result, indent=1) + "\n").encode())
     write_atomic(out / f"{name}.md", table(result).encode())
 

@@ -33,6 +33,7 @@ from torch import Tensor, nn
 
 from engine.kvcache import KVCache
 from engine.llama import Block, Llama
+from engine.packed import BLOCK
 
 # cpp_wrapper: the graph's kernels are called from C++, not from generated Python
 OPTIONS = {"cpp_wrapper": True}
@@ -145,22 +146,24 @@ def warm_up(model: Llama) -> None:
     accelerating decoder), k rows whose last layers are trimmed to kept rows (lookahead).
     Slot counts 0 and 1 are graphs apart (dynamo specializes them), so a one-token prompt's
     first two steps get theirs; k rows after a one-token prompt do not (a notice, then eager)."""
-    P = 3
-    cache = KVCache.for_model(model, 2 * P + 2)
+    P, far = 3, 2 * BLOCK + 1          # far: keys in more than one of invariant_attention's blocks
+    small, big = (KVCache.for_model(model, c) for c in (2 * P + 2, far + 2 * P + 2))
     tokens = torch.zeros(1, P, dtype=torch.long, device=model.tok_embeddings.weight.device)
-    for n in (0, 1):                                                          # T = 1 at n = 0, 1
-        model(tokens[:, :1], torch.tensor([n]), cache)
-    for n in (0, P):  # the prompt's forward (n = 0) and a later one, k rows under a mask
+    for n in (0, 1, far):                                                     # T = 1 at n = 0, 1, far
+        big.length = n
+        model(tokens[:, :1], torch.tensor([n]), big)
+    for n in (0, P, far):  # the prompt's forward (n = 0) and later ones, k rows under a mask
         mask = torch.ones(P, n + P, dtype=torch.bool).tril(n)                 # (T, S)
         for keep, trim in ((None, 0), ([0, 2], 1), ([1], 1)):
-            cache.length = n
-            model(tokens, torch.arange(n, n + P), cache, mask=mask, keep=keep, trim_layers=trim)
+            big.length = n
+            model(tokens, torch.arange(n, n + P), big, mask=mask, keep=keep, trim_layers=trim)
     # subtle: a window that fills the cache is contiguous, and the cache write's graph depends
-    # on that: one row and k rows get a graph for the last slots too
-    for n, T in ((P, 1), (cache.capacity - 1, 1), (cache.capacity - P, P)):
-        cache.length = n
-        mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool).tril(n)   # (T, S)
-        model(tokens[:, :T], torch.arange(n, n + T), cache, mask=mask)
+    # on that: one row and k rows get a graph for the last slots too, in one key block and more
+    for cache in (small, big):
+        for n, T in ((P, 1), (cache.capacity - 1, 1), (cache.capacity - P, P)):
+            cache.length = n
+            mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool).tril(n)   # (T, S)
+            model(tokens[:, :T], torch.arange(n, n + T), cache, mask=mask)
 
 
 def first_line(e: Exception) -> str:

@@ -133,6 +133,9 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     return model
 
 
+BLOCK = 32   # keys per block of invariant_attention's p @ v
+
+
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                         enable_gqa: bool = True) -> Tensor:
     """SDPA's softmax(q k^T / sqrt(D) + log mask) v for bf16 q (B, H, T, D), k, v (B, Hkv, S, D),
@@ -140,28 +143,40 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
 
     SDPA's CPU kernel is not: it walks keys in blocks whose bounds depend on the call's shape,
     so a verified row (k rows, masked, its keys at other slots) rounds apart from plain's one
-    row. Here every reduction over keys ignores masked keys exactly: bf16 matmuls (oneDNN,
-    fp32 accumulation in key order, measured invariant to row count and to zero weights at
-    any slot), the max (exact), and the softmax sum by cumsum (one sequential sum by its
-    definition: a 0 added anywhere changes nothing; `.sum` measured invariant here too, but
-    promises no order). Rows of a kv head's group go to one matmul: no repeated K/V. fp32
-    matmuls (MKL) are not row-invariant, so fp32 models keep SDPA (tests/test_packed.py).
+    row. Here a row's every sum over keys reads its visible keys in position order, grouped
+    the same way in every call:
+    - scores: bf16 matmuls over D (rows of a kv head's group in one call: no repeated K/V);
+    - the softmax: the max (exact), its sum by cumsum (sequential: a 0 changes nothing);
+    - p @ v: each row's visible keys gathered first, in slot order (= position order), padded
+      with zero weights to a multiple of BLOCK; one bf16 matmul per block of BLOCK keys, the
+      blocks summed in order in fp32. A plain row (its keys [0, t]) and a verified row at t
+      (cache + its ancestors, among other rows' keys) then multiply the same blocks.
+    subtle: one matmul over all S keys (this function's first version) is not enough: oneDNN's
+    bf16 kernels pair or unroll keys by index, so zero-weight keys of other rows between a
+    row's own move its sums (measured: 2 rows in 1,000 differ on AVX-512, ~15 on AVX2).
+    bf16 matmuls of a fixed K are row- and batch-invariant here; fp32 ones (MKL) are not, so
+    fp32 models keep SDPA (tests/test_packed.py).
     """
     B, H, T, D = q.shape
-    Hkv = k.shape[1]
-    g = H // Hkv
+    Hkv, S = k.shape[1], k.shape[2]
+    g, Sp = H // Hkv, -(-S // BLOCK) * BLOCK                          # Sp: S in whole blocks
     qg = (q * D ** -0.5).reshape(B, Hkv, g * T, D)                    # (B, Hkv, gT, D), head h -> h // g
-    # subtle: the cache's views are strided by its capacity between heads; bmm would copy
-    # them anyway, through a slower path than a clone (~15 us a layer at S = 100 here). A
-    # clone, not .contiguous(): that one asks whether the cache is full, and a compiled graph
-    # (engine/compiled.py) would be specialized on the answer
-    k, v = (x.clone(memory_format=torch.contiguous_format) for x in (k, v))
     s = (qg @ k.transpose(-1, -2)).float()                            # (B, Hkv, gT, S)
     if attn_mask is not None:
         s.masked_fill_(~attn_mask.repeat(g, 1), float("-inf"))        # mask (T, S) -> (gT, S)
     e = s.sub_(s.amax(-1, keepdim=True)).exp_()                       # exp(s - max): masked keys 0
-    p = e.div_(e.cumsum(-1)[..., -1:])                                # subtle: cumsum, not sum
-    return (p.to(q.dtype) @ v).view(B, H, T, D)                       # (B, H, T, D)
+    p = e.div_(e.cumsum(-1)[..., -1:]).to(q.dtype)                    # subtle: cumsum, not sum
+    p = F.pad(p, (0, Sp - S)).view(B, Hkv, g, T, Sp)                  # zero weights past S
+    v = F.pad(v, (0, 0, 0, Sp - S))[:, :, None]                       # (B, Hkv, 1, Sp, D), a copy
+    if attn_mask is not None:   # each row's visible keys first, in slot order (stable sort)
+        order = torch.sort((~F.pad(attn_mask, (0, Sp - S))).to(torch.uint8), stable=True).indices  # (T, Sp)
+        p = p.gather(-1, order.expand(B, Hkv, g, T, Sp))
+        v = v[:, :, 0, order]                                         # (B, Hkv, T, Sp, D)
+    n = Sp // BLOCK
+    parts = p.view(B, Hkv, g, T, n, BLOCK).permute(0, 1, 3, 4, 2, 5) \
+        @ v.view(B, Hkv, v.shape[2], n, BLOCK, D)                     # (B, Hkv, T, n, g, D)
+    y = parts.float().cumsum(3)[:, :, :, -1]                          # (B, Hkv, T, g, D), blocks in order
+    return y.to(q.dtype).permute(0, 1, 3, 2, 4).reshape(B, H, T, D)   # (B, H, T, D)
 
 
 def rows_round_alike(model: Llama, k: int = 8) -> bool:

@@ -2,6 +2,8 @@
 dtype's rounding), and with batch_invariant a row's outputs must not depend on how many rows share
 its forward.
 """
+import random
+
 import pytest
 import torch
 
@@ -154,27 +156,81 @@ def test_invariant_attention_rows_round_as_one_row_does(S):
     assert (rows.float() - ref).abs().max() < 0.02
 
 
-def test_sdpa_and_fp32_matmuls_fail_the_row_invariance_test():
-    # the broken variants: SDPA itself (its key blocks depend on the call's shape) and the same
-    # math with fp32 matmuls (MKL picks its kernel by row count) must be caught
+def tree_rows_apart(attend, seed: int) -> int:
+    """How many rows of a random lookahead-like step (a tree of T rows after c cached keys, each
+    row seeing the cache and its ancestors) differ from the row alone over its own keys in
+    position order, as plain computes it."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    H, Hkv, D, c, T = 9, 3, 64, rng.randint(5, 150), rng.randint(2, 12)
+    parent = [-1] + [rng.randint(0, i - 1) for i in range(1, T)]
+    q = torch.randn(1, H, T, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, Hkv, c + T, D, generator=g).bfloat16() for _ in range(2))
+    mask = torch.zeros(T, c + T, dtype=torch.bool)
+    mask[:, :c] = True
+    keys = []
+    for r in range(T):
+        mine, j = [c + r], parent[r]
+        while j >= 0:
+            mine, j = [c + j] + mine, parent[j]
+        mask[r, mine] = True
+        keys.append(list(range(c)) + mine)
+    rows = attend(q, k, v, attn_mask=mask)
+    return sum(not torch.equal(rows[:, :, r:r + 1], attend(q[:, :, r:r + 1], k[:, :, keys[r]], v[:, :, keys[r]]))
+               for r in range(T))
+
+
+# seeds where one bf16 matmul over all S keys (the first invariant_attention) put a row apart:
+# 192 and 704 under the AVX512 dispatch here, 40, 95 and 159 under AVX2 (ATEN_CPU_CAPABILITY)
+APART_ONCE = [40, 95, 159, 192, 704]
+
+
+@pytest.mark.parametrize("seeds", [APART_ONCE, range(200)], ids=["pinned", "drawn"])
+def test_invariant_attention_rows_of_a_tree_step_round_as_plain_rows(seeds):
+    # Why: lookahead's rows see the cache and their ancestors, with other rows' keys between;
+    # each must get the bits plain gets for it alone, whatever the kernel's grouping of keys
+    assert sum(tree_rows_apart(packed.invariant_attention, s) for s in seeds) == 0
+
+
+def test_one_matmul_over_all_keys_fails_the_tree_test():
+    # the broken variant: p @ v as one bf16 matmul over all S keys, the masked ones at weight 0
+    def one_matmul(q, k, v, attn_mask=None, enable_gqa=True):
+        B, H, T, D = q.shape
+        g = H // k.shape[1]
+        s = (q * D ** -0.5).reshape(B, k.shape[1], g * T, D) @ k.transpose(-1, -2)
+        s = s.float().masked_fill(~attn_mask.repeat(g, 1), float("-inf")) if attn_mask is not None else s.float()
+        e = (s - s.amax(-1, keepdim=True)).exp()
+        return ((e / e.cumsum(-1)[..., -1:]).to(q.dtype) @ v).view(B, H, T, D)
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    if dispatch not in ("AVX512", "AVX2"):
+        pytest.skip(f"the pinned seeds were found under AVX512 and AVX2, not {dispatch}")
+    assert sum(tree_rows_apart(one_matmul, s) for s in APART_ONCE) > 0
+
+
+def test_sdpa_fails_the_row_invariance_test():
+    # the broken variant: SDPA itself (its key blocks depend on the call's shape) must be caught
     g = torch.Generator().manual_seed(700)
     S, H, Hkv, D, T = 700, 9, 3, 64, 8
     q = torch.randn(1, H, T, D, generator=g).bfloat16()
     k, v = (torch.randn(1, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
     chain, gaps = chain_and_gaps(S, T)
     junk = lambda x: torch.cat([x[:, :, :S - T], torch.randn(1, Hkv, 5, D, generator=g).bfloat16(), x[:, :, S - T:]], 2)
-    kj, vj = junk(k), junk(v)
     sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = sdpa(q, k, v, attn_mask=chain, enable_gqa=True)
+    gapped = sdpa(q, junk(k), junk(v), attn_mask=gaps, enable_gqa=True)
+    alone = [sdpa(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], enable_gqa=True)
+             for t in range(T)]
+    assert not all(torch.equal(rows[:, :, t:t + 1], a) and torch.equal(gapped[:, :, t:t + 1], a)
+                   for t, a in enumerate(alone))
 
-    def fp32(q, k, v, attn_mask=None, enable_gqa=True):
-        return packed.invariant_attention(q.float(), k.float(), v.float(), attn_mask)
-    for broken in (sdpa, fp32):
-        rows = broken(q, k, v, attn_mask=chain, enable_gqa=True)
-        gapped = broken(q, kj, vj, attn_mask=gaps, enable_gqa=True)
-        alone = [broken(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], enable_gqa=True)
-                 for t in range(T)]
-        assert not all(torch.equal(rows[:, :, t:t + 1], a) and torch.equal(gapped[:, :, t:t + 1], a)
-                       for t, a in enumerate(alone)), broken
+
+def test_fp32_matmuls_round_a_row_by_row_count():
+    # Why fp32 models keep SDPA: the scores' matmul (MKL) rounds a row apart when more rows
+    # share the call, so invariant_attention's construction does not carry over to fp32
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 3, 24, 64, generator=g), torch.randn(1, 3, 100, 64, generator=g)
+    rows = q @ k.transpose(-1, -2)                                     # (1, 3, 24, 100)
+    alone = torch.cat([q[:, :, i:i + 1] @ k.transpose(-1, -2) for i in range(24)], 2)
+    assert not torch.equal(rows, alone)
 
 
 def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():

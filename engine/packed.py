@@ -180,17 +180,30 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
 
 
 def rows_round_alike(model: Llama, k: int = 8) -> bool:
-    """Whether this model's row-wise kernels round a row alike in a one-row and a k-row call on
-    this CPU: one layer's projections and the head, on random rows. True of torch's int4 kernel
-    and oneDNN's bf16 and fp32 ones here (AVX-512 and the AVX2 dispatch); a CPU whose kernel
-    picks another path by row count (AMX's, say) answers False, and its k-row forwards may
-    then leave plain's tokens. The attention is not probed: invariant_attention is so built."""
-    x = torch.randn(k, model.config.dim, generator=torch.Generator().manual_seed(0))
-    x = x.to(model.tok_embeddings.weight)
+    """Whether this model's kernels round a row alike in a one-row and a k-row call on this CPU,
+    probed on random rows: one layer's projections, the head, and the attention (k rows of a
+    lookahead-like step, each seeing the cache and every other new key up to itself, against
+    each row alone over its own keys, as plain sends it). A CPU whose kernel picks another path
+    by row count (AMX's, say), or attention that is not invariant_attention, answers False,
+    and its k-row forwards may then leave plain's tokens."""
+    c = model.config
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(k, c.dim, generator=g).to(model.tok_embeddings.weight)
     layers = [model.layers[0].attention.wqkv, model.layers[0].feed_forward.w13,
               model.packed_head or (lambda h: model.head(h[None])[0])]
+    n = 300     # cached keys: several of invariant_attention's blocks, and past SDPA's first split
+    q = torch.randn(1, c.n_heads, k, c.head_dim, generator=g).to(x)
+    kv = [torch.randn(1, c.n_kv_heads, n + k, c.head_dim, generator=g).to(x) for _ in range(2)]
+    mask = torch.ones(k, n + k, dtype=torch.bool)
+    mask[:, n:] = (torch.arange(k)[None, :] <= torch.arange(k)[:, None]) & (torch.arange(k) % 2 == 0)
+    mask[torch.arange(k), n + torch.arange(k)] = True                  # (k, n + k): own key, even ones
+    attend = model.layers[0].attention.attend
     with torch.inference_mode():
-        return all(torch.equal(f(x), torch.cat([f(x[i:i + 1]) for i in range(k)])) for f in layers)
+        rows = attend(q, *kv, attn_mask=mask, enable_gqa=True)       # (1, H, k, D)
+        alone = torch.cat([attend(q[:, :, r:r + 1], *(t[:, :, mask[r]] for t in kv), enable_gqa=True)
+                           for r in range(k)], 2)
+        return torch.equal(rows, alone) and \
+            all(torch.equal(f(x), torch.cat([f(x[i:i + 1]) for i in range(k)])) for f in layers)
 
 
 def can_prepack(w: Tensor) -> bool:

@@ -191,15 +191,17 @@ def test_invariant_attention_rows_of_a_tree_step_round_as_plain_rows(seeds):
     assert sum(tree_rows_apart(packed.invariant_attention, s) for s in seeds) == 0
 
 
+def one_matmul(q, k, v, attn_mask=None, enable_gqa=True):
+    """The broken variant: p @ v as one bf16 matmul over all S keys, the masked ones at weight 0."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    s = (q * D ** -0.5).reshape(B, k.shape[1], g * T, D) @ k.transpose(-1, -2)
+    s = s.float().masked_fill(~attn_mask.repeat(g, 1), float("-inf")) if attn_mask is not None else s.float()
+    e = (s - s.amax(-1, keepdim=True)).exp()
+    return ((e / e.cumsum(-1)[..., -1:]).to(q.dtype) @ v).view(B, H, T, D)
+
+
 def test_one_matmul_over_all_keys_fails_the_tree_test():
-    # the broken variant: p @ v as one bf16 matmul over all S keys, the masked ones at weight 0
-    def one_matmul(q, k, v, attn_mask=None, enable_gqa=True):
-        B, H, T, D = q.shape
-        g = H // k.shape[1]
-        s = (q * D ** -0.5).reshape(B, k.shape[1], g * T, D) @ k.transpose(-1, -2)
-        s = s.float().masked_fill(~attn_mask.repeat(g, 1), float("-inf")) if attn_mask is not None else s.float()
-        e = (s - s.amax(-1, keepdim=True)).exp()
-        return ((e / e.cumsum(-1)[..., -1:]).to(q.dtype) @ v).view(B, H, T, D)
     dispatch = torch.backends.cpu.get_cpu_capability()
     if dispatch not in ("AVX512", "AVX2"):
         pytest.skip(f"the pinned seeds were found under AVX512 and AVX2, not {dispatch}")
@@ -237,7 +239,8 @@ def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
     # Why: the CLI calls a --batch-invariant run exact only where this probe says the kernels
     # round rows alike; a kernel that takes another path for one row must make it say False
     from engine.llama import Llama, LlamaConfig
-    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=96, vocab_size=64)
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=9, n_kv_heads=3, hidden_dim=96, vocab_size=64,
+                      head_dim=64)   # SmolLM2's heads: where SDPA is seen to round rows apart
     torch.manual_seed(0)
     q = packed.prepack(packed.quantize_int4(Llama(cfg).float().requires_grad_(False)), batch_invariant=True)
     assert packed.rows_round_alike(q)
@@ -248,5 +251,11 @@ def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
 
         def forward(self, x):
             return self.inner(x) * (1 + 2 ** -7 * (x.shape[0] == 1))
-    q.layers[0].feed_forward.w13 = OneRowApart(q.layers[0].feed_forward.w13)
+    w13 = q.layers[0].feed_forward.w13
+    q.layers[0].feed_forward.w13 = OneRowApart(w13)
+    assert not packed.rows_round_alike(q)
+    # and attention whose key blocks follow the call's shape (SDPA). The rarer, value-dependent
+    # misses of one_matmul are the tree test's to catch: one probe cannot draw enough rows
+    q.layers[0].feed_forward.w13 = w13
+    q.layers[0].attention.attend = torch.nn.functional.scaled_dot_product_attention
     assert not packed.rows_round_alike(q)

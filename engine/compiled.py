@@ -12,11 +12,12 @@ layer. The cache is handed to it as the layer's slots [0, S) and the committed c
 nothing it traces depends on which layer runs. Shapes are dynamic: one graph serves every S
 and every k, but one row, 0 or 1 cached slots, trimmed rows and a full cache each get their
 own, all compiled up front by `warm_up` (20-80 s here, docs/compile.md); a later recompile
-is refused.
+is refused. A forward of more than packed.ROWS rows (a long prompt) runs eager.
 
 Exactness: on the batch-invariant path, the compiled k-row graphs round each row as the
 compiled one-row graph does (tests/test_compiled.py), but not as eager does, so one-row
-steps and k-row steps must both run compiled or both eager.
+steps and k-row steps must both run compiled or both eager: a run that sent a long prompt
+eager is not called exact (engine/run.py).
 
 Never a traceback, never a wrong answer: where no compiler works, compiling fails, or a
 cached artifact will not load, `notify` gets one line and the model runs eager. A model that
@@ -33,7 +34,7 @@ from torch import Tensor, nn
 
 from engine.kvcache import KVCache
 from engine.llama import Block, Llama
-from engine.packed import BLOCK
+from engine.packed import ROWS
 
 # cpp_wrapper: the graph's kernels are called from C++, not from generated Python
 OPTIONS = {"cpp_wrapper": True}
@@ -66,6 +67,7 @@ class Compiled:
     def __init__(self, fn: Callable, notify: Callable[[str], None]):
         self.fn, self.notify = fn, notify
         self.stance = "default"  # compile_model refuses recompiles once warmed up
+        self.eager_rows = False  # a forward of more than ROWS rows ran eager (a long prompt)
 
     def fail(self, what: str) -> None:
         if self.fn is not None:  # one notice, however many layers see the failure
@@ -89,10 +91,12 @@ class CompiledBlock(nn.Module):
 
     def forward(self, x: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
                 cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:
-        fn = self.shared.fn
+        fn, n, T = self.shared.fn, 0 if cache is None else cache.length, x.shape[1]
         if cache is None or fn is None:
             return self.block(x, rows, cos, sin, cache, layer, mask)
-        n, T = cache.length, x.shape[1]
+        if T > ROWS:   # a long prompt: traced, invariant_attention would gather T x S keys
+            self.shared.eager_rows = True
+            return self.block(x, rows, cos, sin, cache, layer, mask)
         if n + T > cache.capacity:  # KVCache.append's check, made before the compiled call
             raise ValueError(f"KV cache full: {n} + {T} slots > capacity {cache.capacity}")
         # subtle: the slots [0, n + T), not the whole buffer: dynamo keeps a view's base size
@@ -146,7 +150,7 @@ def warm_up(model: Llama) -> None:
     accelerating decoder), k rows whose last layers are trimmed to kept rows (lookahead).
     Slot counts 0 and 1 are graphs apart (dynamo specializes them), so a one-token prompt's
     first two steps get theirs; k rows after a one-token prompt do not (a notice, then eager)."""
-    P, far = 3, 2 * BLOCK + 1          # far: keys in more than one of invariant_attention's blocks
+    P, far = 3, 40                    # far: past one of invariant_attention's key blocks
     small, big = (KVCache.for_model(model, c) for c in (2 * P + 2, far + 2 * P + 2))
     tokens = torch.zeros(1, P, dtype=torch.long, device=model.tok_embeddings.weight.device)
     for n in (0, 1, far):                                                     # T = 1 at n = 0, 1, far
@@ -158,7 +162,7 @@ def warm_up(model: Llama) -> None:
             big.length = n
             model(tokens, torch.arange(n, n + P), big, mask=mask, keep=keep, trim_layers=trim)
     # subtle: a window that fills the cache is contiguous, and the cache write's graph depends
-    # on that: one row and k rows get a graph for the last slots too, in one key block and more
+    # on that: one row and k rows get a graph for the last slots too
     for cache in (small, big):
         for n, T in ((P, 1), (cache.capacity - 1, 1), (cache.capacity - P, P)):
             cache.length = n

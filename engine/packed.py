@@ -133,50 +133,85 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     return model
 
 
-BLOCK = 32   # keys per block of invariant_attention's p @ v
+BLOCK = 32    # keys per block of invariant_attention's p @ v
+ROWS = 256    # query rows per pass of invariant_attention (a long prompt goes in chunks)
 
 
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                         enable_gqa: bool = True) -> Tensor:
-    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for bf16 q (B, H, T, D), k, v (B, Hkv, S, D),
-    with each row's bits independent of the other rows and of the keys it may not see.
+    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for q (B, H, T, D), k, v (B, Hkv, S, D)
+    (bf16 or fp32), each row's bits independent of the other rows and of the keys it may not see.
 
     SDPA's CPU kernel is not: it walks keys in blocks whose bounds depend on the call's shape,
     so a verified row (k rows, masked, its keys at other slots) rounds apart from plain's one
-    row. Here a row's every sum over keys reads its visible keys in position order, grouped
-    the same way in every call:
-    - scores: bf16 matmuls over D (rows of a kv head's group in one call: no repeated K/V);
-    - the softmax: the max (exact), its sum by cumsum (sequential: a 0 changes nothing);
-    - p @ v: each row's visible keys gathered first, in slot order (= position order), padded
-      with zero weights to a multiple of BLOCK; one bf16 matmul per block of BLOCK keys, the
-      blocks summed in order in fp32. A plain row (its keys [0, t]) and a verified row at t
-      (cache + its ancestors, among other rows' keys) then multiply the same blocks.
-    subtle: one matmul over all S keys (this function's first version) is not enough: oneDNN's
-    bf16 kernels pair or unroll keys by index, so zero-weight keys of other rows between a
-    row's own move its sums (measured: 2 rows in 1,000 differ on AVX-512, ~15 on AVX2).
-    bf16 matmuls of a fixed K are row- and batch-invariant here; fp32 ones (MKL) are not, so
-    fp32 models keep SDPA (tests/test_packed.py).
+    row. Here every sum over a row's keys reads its visible keys in position order, grouped by
+    position the same way in every call, in fp32 (as SDPA; more exact than bf16 matmuls):
+    - scores: one matmul over D; a row's dot products do not depend on the rows beside it;
+    - softmax: the max (exact), the sum by cumsum (sequential: a masked key's 0 changes nothing);
+    - p @ v: in blocks of BLOCK positions, one matmul each (K = BLOCK in every call), the
+      blocks summed in order by cumsum. Where a row's visible keys have gaps (lookahead's tree:
+      other rows' keys between its own), the keys past the blocks every row sees are gathered
+      per row, visible ones first in slot order (= position order). A plain row at position t
+      and a verified row at t then multiply the same blocks of the same keys.
+    What this rests on, measured (tests/test_packed.py) and probed per CPU (rows_round_alike):
+    a matmul's row does not depend on the other rows, given two or more (one row takes the
+    matrix-vector kernel, which rounds apart: `mm` pads it). Where it does not hold, the
+    answer is still this attention, only not row-invariant.
+    subtle: one matmul over all S keys for p @ v (this function's first version) is not
+    enough: the kernels pair or unroll keys by index, so zero-weight keys of other rows
+    between a row's own move its sums (2 rows in 1,000 on AVX-512, ~15 under AVX2).
     """
     B, H, T, D = q.shape
+    traced = torch.compiler.is_compiling()   # engine/compiled.py: no choice may read the data
+    if not traced and T > ROWS:   # each row's bits are its own, so rows can go in chunks
+        return torch.cat([invariant_attention(q[:, :, i:i + ROWS], k, v, attn_mask if attn_mask is None
+                                              else attn_mask[i:i + ROWS]) for i in range(0, T, ROWS)], 2)
     Hkv, S = k.shape[1], k.shape[2]
-    g, Sp = H // Hkv, -(-S // BLOCK) * BLOCK                          # Sp: S in whole blocks
-    qg = (q * D ** -0.5).reshape(B, Hkv, g * T, D)                    # (B, Hkv, gT, D), head h -> h // g
-    s = (qg @ k.transpose(-1, -2)).float()                            # (B, Hkv, gT, S)
+    g = H // Hkv
+    qg = q.float().reshape(B, Hkv, g * T, D)                           # (B, Hkv, gT, D), head h -> h // g
+    k, v = k.float(), v.float()
+    s = mm(qg, k.transpose(-1, -2))                                     # (B, Hkv, gT, S)
     if attn_mask is not None:
-        s.masked_fill_(~attn_mask.repeat(g, 1), float("-inf"))        # mask (T, S) -> (gT, S)
-    e = s.sub_(s.amax(-1, keepdim=True)).exp_()                       # exp(s - max): masked keys 0
-    p = e.div_(e.cumsum(-1)[..., -1:]).to(q.dtype)                    # subtle: cumsum, not sum
-    p = F.pad(p, (0, Sp - S)).view(B, Hkv, g, T, Sp)                  # zero weights past S
-    v = F.pad(v, (0, 0, 0, Sp - S))[:, :, None]                       # (B, Hkv, 1, Sp, D), a copy
-    if attn_mask is not None:   # each row's visible keys first, in slot order (stable sort)
-        order = torch.sort((~F.pad(attn_mask, (0, Sp - S))).to(torch.uint8), stable=True).indices  # (T, Sp)
-        p = p.gather(-1, order.expand(B, Hkv, g, T, Sp))
-        v = v[:, :, 0, order]                                         # (B, Hkv, T, Sp, D)
-    n = Sp // BLOCK
-    parts = p.view(B, Hkv, g, T, n, BLOCK).permute(0, 1, 3, 4, 2, 5) \
-        @ v.view(B, Hkv, v.shape[2], n, BLOCK, D)                     # (B, Hkv, T, n, g, D)
-    y = parts.float().cumsum(3)[:, :, :, -1]                          # (B, Hkv, T, g, D), blocks in order
-    return y.to(q.dtype).permute(0, 1, 3, 2, 4).reshape(B, H, T, D)   # (B, H, T, D)
+        s.masked_fill_(~attn_mask.repeat(g, 1), float("-inf"))         # mask (T, S) -> (gT, S)
+    e = s.sub_(s.amax(-1, keepdim=True)).mul_(D ** -0.5).exp_()       # exp((s - max) / sqrt(D))
+    p = e.div_(e.cumsum(-1)[..., -1:])                                  # subtle: cumsum, not sum
+    # A row with gaps sees a key after one it may not; without gaps, slot order is position
+    # order and every block is shared. f: the keys in blocks every row sees. Neither choice
+    # moves a bit (gathering a row without gaps keeps its order; f only splits the work).
+    # subtle: traced (engine/compiled.py), nothing may branch on the data: every masked row
+    # gathers all its keys (f = 0)
+    gaps = attn_mask is not None and (traced or bool((attn_mask[:, 1:] > attn_mask[:, :-1]).any()))
+    f = S if not gaps else 0 if traced else int(attn_mask.all(0).cumprod(0).sum()) // BLOCK * BLOCK
+    blocks = []                                                         # each (B, Hkv, gT, n, D), by position
+    if f:   # subtle: a matmul over 0 blocks fails in inductor's C++ wrapper
+        pad = -f % BLOCK
+        blocks.append(mm(F.pad(p[..., :f], (0, pad)).unflatten(-1, (-1, BLOCK)).transpose(2, 3),  # (B, Hkv, n, gT, BLOCK)
+                         F.pad(v[:, :, :f], (0, 0, 0, pad)).unflatten(2, (-1, BLOCK))).transpose(2, 3))
+    if gaps:
+        blocks.append(gathered(p[..., f:], v[:, :, f:], attn_mask[:, f:], g))
+    y = torch.cat(blocks, 3).cumsum(3)[:, :, :, -1]                    # (B, Hkv, gT, D), in order
+    return y.to(q.dtype).view(B, H, T, D)                               # (B, H, T, D)
+
+
+def gathered(p: Tensor, v: Tensor, mask: Tensor, g: int) -> Tensor:
+    """invariant_attention's tail: each row's visible keys (p (B, Hkv, gT, St), v (B, Hkv, St, D),
+    mask (T, St)) gathered first, in slot order, then in blocks -> (B, Hkv, gT, nt, D)."""
+    (B, Hkv, gT, St), T, D = p.shape, mask.shape[0], v.shape[-1]
+    pad = -St % BLOCK
+    order = torch.sort((~F.pad(mask, (0, pad))).to(torch.uint8), stable=True).indices  # (T, St + pad)
+    p = F.pad(p, (0, pad)).view(B, Hkv, g, T, -1).gather(-1, order.expand(B, Hkv, g, T, -1))
+    v = F.pad(v, (0, 0, 0, pad))[:, :, order]                           # (B, Hkv, T, St + pad, D)
+    parts = mm(p.unflatten(-1, (-1, BLOCK)).permute(0, 1, 3, 4, 2, 5),  # (B, Hkv, T, nt, g, BLOCK)
+               v.unflatten(3, (-1, BLOCK)))                             # (B, Hkv, T, nt, g, D)
+    return parts.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, gT, -1, D)  # (B, Hkv, gT, nt, D)
+
+
+def mm(a: Tensor, b: Tensor) -> Tensor:
+    """a @ b, with a one-row a sent as two rows: the matrix-vector kernel a single row takes
+    rounds apart from the matrix-matrix one that two or more take."""
+    if a.shape[-2] != 1:
+        return a @ b
+    return (F.pad(a, (0, 0, 0, 1)) @ b)[..., :1, :]
 
 
 def rows_round_alike(model: Llama, k: int = 8) -> bool:

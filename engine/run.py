@@ -370,8 +370,10 @@ def run(args) -> dict:
     # unless --batch-invariant makes bf16 activations' kernels row-invariant (packed.prepack)
     exact = not args.int4 and args.dtype in ("float32", "float64") or \
         model.layers[0].attention.attend is invariant_attention and rows_round_alike(model)
-    # a compiled model that fell back to eager mid-run ran its steps on two sets of kernels
-    exact = exact and not (isinstance(model.layers[0], CompiledBlock) and model.layers[0].shared.fn is None)
+    # a compiled model that ran some forwards eager (a fallback, a long prompt) used two sets
+    # of kernels, whose rows round apart
+    shared = model.layers[0].shared if isinstance(model.layers[0], CompiledBlock) else None
+    exact = exact and not (shared and (shared.fn is None or shared.eager_rows))
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,

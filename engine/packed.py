@@ -139,23 +139,25 @@ ROWS = 256    # query rows per pass of invariant_attention (a long prompt goes i
 
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                         enable_gqa: bool = True) -> Tensor:
-    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for q (B, H, T, D), k, v (B, Hkv, S, D)
-    (bf16 or fp32), each row's bits independent of the other rows and of the keys it may not see.
+    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for bf16 q (B, H, T, D), k, v (B, Hkv, S, D),
+    with each row's bits independent of the other rows and of the keys it may not see.
 
     SDPA's CPU kernel is not: it walks keys in blocks whose bounds depend on the call's shape,
     so a verified row (k rows, masked, its keys at other slots) rounds apart from plain's one
     row. Here every sum over a row's keys reads its visible keys in position order, grouped by
-    position the same way in every call, in fp32 (as SDPA; more exact than bf16 matmuls):
-    - scores: one matmul over D; a row's dot products do not depend on the rows beside it;
-    - softmax: the max (exact), the sum by cumsum (sequential: a masked key's 0 changes nothing);
-    - p @ v: in blocks of BLOCK positions, one matmul each (K = BLOCK in every call), the
-      blocks summed in order by cumsum. Where a row's visible keys have gaps (lookahead's tree:
-      other rows' keys between its own), the keys past the blocks every row sees are gathered
-      per row, visible ones first in slot order (= position order). A plain row at position t
-      and a verified row at t then multiply the same blocks of the same keys.
+    position the same way in every call:
+    - scores: one bf16 matmul over D (fp32 accumulation, as every matmul here);
+    - softmax in fp32: the max (exact), the sum by cumsum (sequential: a masked key's 0
+      changes nothing);
+    - p @ v: in blocks of BLOCK positions, one bf16 matmul each (K = BLOCK in every call),
+      the blocks summed in order by cumsum. Where a row's visible keys have gaps (lookahead's
+      tree: other rows' keys between its own), the keys past the blocks every row sees are
+      gathered per row, visible ones first in slot order (= position order). A plain row at
+      position t and a verified row at t then multiply the same blocks of the same keys.
     What this rests on, measured (tests/test_packed.py) and probed per CPU (rows_round_alike):
-    a matmul's row does not depend on the other rows, given two or more (one row takes the
-    matrix-vector kernel, which rounds apart: `mm` pads it). Where it does not hold, the
+    oneDNN's bf16 matmul rounds a row alike whatever the other rows, given two or more (one
+    row may take a matrix-vector kernel: `mm` pads it). fp32 matmuls (MKL) do not (one and
+    two rows take kernels of their own), so fp32 models keep SDPA. Where it does not hold, the
     answer is still this attention, only not row-invariant.
     subtle: one matmul over all S keys for p @ v (this function's first version) is not
     enough: the kernels pair or unroll keys by index, so zero-weight keys of other rows
@@ -168,13 +170,12 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
                                               else attn_mask[i:i + ROWS]) for i in range(0, T, ROWS)], 2)
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
-    qg = q.float().reshape(B, Hkv, g * T, D)                           # (B, Hkv, gT, D), head h -> h // g
-    k, v = k.float(), v.float()
-    s = mm(qg, k.transpose(-1, -2))                                     # (B, Hkv, gT, S)
+    qg = q.reshape(B, Hkv, g * T, D)                                   # (B, Hkv, gT, D), head h -> h // g
+    s = mm(qg, k.transpose(-1, -2)).float()                             # (B, Hkv, gT, S)
     if attn_mask is not None:
         s.masked_fill_(~attn_mask.repeat(g, 1), float("-inf"))         # mask (T, S) -> (gT, S)
     e = s.sub_(s.amax(-1, keepdim=True)).mul_(D ** -0.5).exp_()       # exp((s - max) / sqrt(D))
-    p = e.div_(e.cumsum(-1)[..., -1:])                                  # subtle: cumsum, not sum
+    p = e.div_(e.cumsum(-1)[..., -1:]).to(q.dtype)                      # subtle: cumsum, not sum
     # A row with gaps sees a key after one it may not; without gaps, slot order is position
     # order and every block is shared. f: the keys in blocks every row sees. Neither choice
     # moves a bit (gathering a row without gaps keeps its order; f only splits the work).
@@ -184,12 +185,12 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     f = S if not gaps else 0 if traced else int(attn_mask.all(0).cumprod(0).sum()) // BLOCK * BLOCK
     blocks = []                                                         # each (B, Hkv, gT, n, D), by position
     if f:   # subtle: a matmul over 0 blocks fails in inductor's C++ wrapper
-        pad = -f % BLOCK
-        blocks.append(mm(F.pad(p[..., :f], (0, pad)).unflatten(-1, (-1, BLOCK)).transpose(2, 3),  # (B, Hkv, n, gT, BLOCK)
-                         F.pad(v[:, :, :f], (0, 0, 0, pad)).unflatten(2, (-1, BLOCK))).transpose(2, 3))
+        pv = pad_keys(p[..., :f], -1), pad_keys(v[:, :, :f], 2)        # (B, Hkv, gT, n BLOCK), (B, Hkv, n BLOCK, D)
+        blocks.append(mm(pv[0].unflatten(-1, (-1, BLOCK)).transpose(2, 3),   # (B, Hkv, n, gT, BLOCK)
+                         pv[1].unflatten(2, (-1, BLOCK))).transpose(2, 3))
     if gaps:
         blocks.append(gathered(p[..., f:], v[:, :, f:], attn_mask[:, f:], g))
-    y = torch.cat(blocks, 3).cumsum(3)[:, :, :, -1]                    # (B, Hkv, gT, D), in order
+    y = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, 3)).float().cumsum(3)[:, :, :, -1]  # (B, Hkv, gT, D)
     return y.to(q.dtype).view(B, H, T, D)                               # (B, H, T, D)
 
 
@@ -204,6 +205,14 @@ def gathered(p: Tensor, v: Tensor, mask: Tensor, g: int) -> Tensor:
     parts = mm(p.unflatten(-1, (-1, BLOCK)).permute(0, 1, 3, 4, 2, 5),  # (B, Hkv, T, nt, g, BLOCK)
                v.unflatten(3, (-1, BLOCK)))                             # (B, Hkv, T, nt, g, D)
     return parts.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, gT, -1, D)  # (B, Hkv, gT, nt, D)
+
+
+def pad_keys(x: Tensor, dim: int) -> Tensor:
+    """x with zeros appended along `dim` (its keys) to a whole number of BLOCKs."""
+    pad = -x.shape[dim] % BLOCK
+    if not pad and not torch.compiler.is_compiling():
+        return x
+    return F.pad(x, (0, pad) if dim == -1 else (0, 0, 0, pad))
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:

@@ -156,12 +156,12 @@ def test_invariant_attention_rows_round_as_one_row_does(S):
     assert (rows.float() - ref).abs().max() < 0.02
 
 
-def tree_rows_apart(attend, seed: int) -> int:
+def tree_rows_apart(attend, seed: int, H: int = 9, Hkv: int = 3) -> int:
     """How many rows of a random lookahead-like step (a tree of T rows after c cached keys, each
     row seeing the cache and its ancestors) differ from the row alone over its own keys in
     position order, as plain computes it."""
     rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
-    H, Hkv, D, c, T = 9, 3, 64, rng.randint(5, 150), rng.randint(2, 12)
+    D, c, T = 64, rng.randint(5, 150), rng.randint(2, 12)
     parent = [-1] + [rng.randint(0, i - 1) for i in range(1, T)]
     q = torch.randn(1, H, T, D, generator=g).bfloat16()
     k, v = (torch.randn(1, Hkv, c + T, D, generator=g).bfloat16() for _ in range(2))
@@ -185,10 +185,45 @@ APART_ONCE = [40, 95, 159, 192, 704]
 
 
 @pytest.mark.parametrize("seeds", [APART_ONCE, range(200)], ids=["pinned", "drawn"])
-def test_invariant_attention_rows_of_a_tree_step_round_as_plain_rows(seeds):
+@pytest.mark.parametrize("H, Hkv", [(9, 3), (4, 4), (8, 2)], ids=["SmolLM2", "MHA", "g4"])
+def test_invariant_attention_rows_of_a_tree_step_round_as_plain_rows(seeds, H, Hkv):
     # Why: lookahead's rows see the cache and their ancestors, with other rows' keys between;
     # each must get the bits plain gets for it alone, whatever the kernel's grouping of keys
-    assert sum(tree_rows_apart(packed.invariant_attention, s) for s in seeds) == 0
+    # (and however many query heads share a kv head: one, as in MHA, makes one-row matmuls)
+    assert sum(tree_rows_apart(packed.invariant_attention, s, H, Hkv) for s in seeds) == 0
+
+
+# seeds where a one-row bf16 matmul rounded apart from the same row among 8 (AVX512 dispatch here)
+ONE_ROW_APART = [222, 225, 337]
+
+
+def test_a_one_row_matmul_is_sent_as_two_rows():
+    # Why: invariant_attention's one-row matmuls (plain's step, one head per kv head) must round
+    # as the same row among others; a single row may take a kernel of its own
+    def among_eight(seed, matmul):
+        g = torch.Generator().manual_seed(seed)
+        a, b = torch.randn(5, 8, 32, generator=g).bfloat16(), torch.randn(5, 32, 64, generator=g).bfloat16()
+        return torch.equal(matmul(a[:, :1], b), (a @ b)[:, :1])
+    assert all(among_eight(s, packed.mm) for s in ONE_ROW_APART + list(range(50)))
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":   # the broken variant: one row as is
+        assert not all(among_eight(s, lambda a, b: a @ b) for s in ONE_ROW_APART)
+
+
+def test_a_long_prompt_in_chunks_of_rows_rounds_as_one_pass():
+    # Why: a prompt of more than packed.ROWS rows goes through attention in chunks (bounded
+    # memory); each row must get the bits it gets in one pass (and alone)
+    g = torch.Generator().manual_seed(1)
+    T = packed.ROWS + 40
+    q = torch.randn(1, 9, T, 64, generator=g).bfloat16()
+    k, v = (torch.randn(1, 3, T, 64, generator=g).bfloat16() for _ in range(2))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    rows = packed.invariant_attention(q, k, v, attn_mask=causal)
+    for t in (0, 37, packed.ROWS - 1, packed.ROWS, T - 1):
+        alone = packed.invariant_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+        assert torch.equal(rows[:, :, t:t + 1], alone)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal,
+                                                           enable_gqa=True)
+    assert (rows.float() - ref).abs().max() < 0.02
 
 
 def one_matmul(q, k, v, attn_mask=None, enable_gqa=True):

@@ -119,11 +119,11 @@ class CompiledBlock(nn.Module):
             return self.block(x, rows, cos, sin, cache, layer, mask)
 
 
-def compile_model(model: Llama, notify: Callable[[str], None]) -> Llama:
+def compile_model(model: Llama, notify: Callable[[str], None], trimmed: bool = False) -> Llama:
     """Swap every block for a CompiledBlock sharing one compiled block_step, compile its
-    graphs up front (`warm_up`), and return the model; on any failure, one notice through
-    `notify` and the eager model. Call it last, after prepack: the graphs depend on the
-    kernels the blocks hold."""
+    graphs up front (`warm_up`; `trimmed`: lookahead's trimmed rows too), and return the
+    model; on any failure, one notice through `notify` and the eager model. Call it last,
+    after prepack: the graphs depend on the kernels the blocks hold."""
     blocks = list(model.layers)
     try:
         shared = Compiled(torch.compile(block_step, dynamic=True, options=OPTIONS), notify)
@@ -135,7 +135,7 @@ def compile_model(model: Llama, notify: Callable[[str], None]) -> Llama:
         # Hkv = 3 and be specialized to 3: every other row count would need a new graph
         with torch._dynamo.config.patch(recompile_limit=64, fail_on_recompile_limit_hit=True), \
                 torch.fx.experimental._config.patch(use_duck_shape=False):
-            warm_up(model)
+            warm_up(model, trimmed)
     except Exception as e:  # noqa: BLE001 -- no compiler, a compile error, a bad cached artifact
         for i, block in enumerate(blocks):
             model.layers[i] = block
@@ -145,29 +145,29 @@ def compile_model(model: Llama, notify: Callable[[str], None]) -> Llama:
     return model
 
 
-def warm_up(model: Llama) -> None:
+def warm_up(model: Llama, trimmed: bool = False) -> None:
     """Compile every graph a decoder reaches: one row (plain), k rows under a mask (every
-    accelerating decoder), k rows whose last layers are trimmed to kept rows (lookahead).
-    Slot counts 0 and 1 are graphs apart (dynamo specializes them), so a one-token prompt's
-    first two steps get theirs; k rows after a one-token prompt do not (a notice, then eager)."""
-    P, far = 3, 40                    # far: past one of invariant_attention's key blocks
-    small, big = (KVCache.for_model(model, c) for c in (2 * P + 2, far + 2 * P + 2))
+    accelerating decoder), and with `trimmed`, k rows whose last layers are trimmed to kept
+    rows (lookahead's --trim-layers). Slot counts 0 and 1 are graphs apart (dynamo
+    specializes them), so a one-token prompt's first two steps get theirs; k rows after a
+    one-token prompt do not (a notice, then eager)."""
+    P = 3
+    cache = KVCache.for_model(model, 2 * P + 2)
     tokens = torch.zeros(1, P, dtype=torch.long, device=model.tok_embeddings.weight.device)
-    for n in (0, 1, far):                                                     # T = 1 at n = 0, 1, far
-        big.length = n
-        model(tokens[:, :1], torch.tensor([n]), big)
-    for n in (0, P, far):  # the prompt's forward (n = 0) and later ones, k rows under a mask
+    for n in (0, 1, P):                                                       # T = 1 at n = 0, 1, P
+        cache.length = n
+        model(tokens[:, :1], torch.tensor([n]), cache)
+    for n in (0, P):  # the prompt's forward (n = 0) and later ones, k rows under a mask
         mask = torch.ones(P, n + P, dtype=torch.bool).tril(n)                 # (T, S)
-        for keep, trim in ((None, 0), ([0, 2], 1), ([1], 1)):
-            big.length = n
-            model(tokens, torch.arange(n, n + P), big, mask=mask, keep=keep, trim_layers=trim)
+        for keep, trim in ((None, 0),) + ((([0, 2], 1), ([1], 1)) if trimmed else ()):
+            cache.length = n
+            model(tokens, torch.arange(n, n + P), cache, mask=mask, keep=keep, trim_layers=trim)
     # subtle: a window that fills the cache is contiguous, and the cache write's graph depends
     # on that: one row and k rows get a graph for the last slots too
-    for cache in (small, big):
-        for n, T in ((P, 1), (cache.capacity - 1, 1), (cache.capacity - P, P)):
-            cache.length = n
-            mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool).tril(n)   # (T, S)
-            model(tokens[:, :T], torch.arange(n, n + T), cache, mask=mask)
+    for n, T in ((cache.capacity - 1, 1), (cache.capacity - P, P)):
+        cache.length = n
+        mask = None if T == 1 else torch.ones(T, n + T, dtype=torch.bool).tril(n)   # (T, S)
+        model(tokens[:, :T], torch.arange(n, n + T), cache, mask=mask)
 
 
 def first_line(e: Exception) -> str:

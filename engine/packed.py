@@ -198,21 +198,22 @@ def gathered(p: Tensor, v: Tensor, mask: Tensor, g: int) -> Tensor:
     """invariant_attention's tail: each row's visible keys (p (B, Hkv, gT, St), v (B, Hkv, St, D),
     mask (T, St)) gathered first, in slot order, then in blocks -> (B, Hkv, gT, nt, D)."""
     (B, Hkv, gT, St), T, D = p.shape, mask.shape[0], v.shape[-1]
-    pad = -St % BLOCK
-    order = torch.sort((~F.pad(mask, (0, pad))).to(torch.uint8), stable=True).indices  # (T, St + pad)
-    p = F.pad(p, (0, pad)).view(B, Hkv, g, T, -1).gather(-1, order.expand(B, Hkv, g, T, -1))
-    v = F.pad(v, (0, 0, 0, pad))[:, :, order]                           # (B, Hkv, T, St + pad, D)
+    order = torch.sort((~pad_keys(mask, -1)).to(torch.uint8), stable=True).indices  # (T, St + pad)
+    p = pad_keys(p, -1).view(B, Hkv, g, T, -1).gather(-1, order.expand(B, Hkv, g, T, -1))
+    v = pad_keys(v, 2)[:, :, order]                                     # (B, Hkv, T, St + pad, D)
     parts = mm(p.unflatten(-1, (-1, BLOCK)).permute(0, 1, 3, 4, 2, 5),  # (B, Hkv, T, nt, g, BLOCK)
                v.unflatten(3, (-1, BLOCK)))                             # (B, Hkv, T, nt, g, D)
     return parts.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, gT, -1, D)  # (B, Hkv, gT, nt, D)
 
 
 def pad_keys(x: Tensor, dim: int) -> Tensor:
-    """x with zeros appended along `dim` (its keys) to a whole number of BLOCKs."""
-    pad = -x.shape[dim] % BLOCK
-    if not pad and not torch.compiler.is_compiling():
-        return x
-    return F.pad(x, (0, pad) if dim == -1 else (0, 0, 0, pad))
+    """x with zeros appended along `dim` (its keys) to a whole number of BLOCKs.
+
+    subtle: traced, always a whole zero block more, so that no count is 0 and no block count
+    is 1: a graph specializes on those (zero keys move no bit: each adds an exact 0)."""
+    n = x.shape[dim]
+    pad = 2 * BLOCK - n % BLOCK if torch.compiler.is_compiling() else -n % BLOCK
+    return F.pad(x, (0, pad) if dim == -1 else (0, 0, 0, pad)) if pad else x
 
 
 def mm(a: Tensor, b: Tensor) -> Tensor:

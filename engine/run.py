@@ -204,7 +204,8 @@ def load(ckpt, args):
     else:
         model = load_model(ckpt, args.device, DTYPES[args.dtype])
     model = model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
-    return compile_model(model, notify=lambda line: warn(f"note: {line}")) if args.compile else model
+    return compile_model(model, notify=lambda line: warn(f"note: {line}"),
+                         trimmed=args.trim_layers > 0) if args.compile else model
 
 
 def check_flags(args) -> None:

@@ -12,12 +12,12 @@ layer. The cache is handed to it as the layer's slots [0, S) and the committed c
 nothing it traces depends on which layer runs. Shapes are dynamic: one graph serves every S
 and every k, but one row, 0 or 1 cached slots, trimmed rows and a full cache each get their
 own, all compiled up front by `warm_up` (20-80 s here, docs/compile.md); a later recompile
-is refused. A forward of more than packed.ROWS rows (a long prompt) runs eager.
+is refused.
 
-Exactness: on the batch-invariant path, the compiled k-row graphs round each row as the
-compiled one-row graph does (tests/test_compiled.py), but not as eager does, so one-row
-steps and k-row steps must both run compiled or both eager: a run that sent a long prompt
-eager is not called exact (engine/run.py).
+Exactness: compiled and eager kernels round apart (fused norms and RoPE), and a compiled
+model's attention is SDPA's, whose rows round by the call's shape: a compiled run is not an
+exact path, and the stats line says so. The exact path (--batch-invariant) is not compiled:
+compile_model leaves it eager with one notice.
 
 Never a traceback, never a wrong answer: where no compiler works, compiling fails, or a
 cached artifact will not load, `notify` gets one line and the model runs eager. A model that
@@ -34,7 +34,7 @@ from torch import Tensor, nn
 
 from engine.kvcache import KVCache
 from engine.llama import Block, Llama
-from engine.packed import ROWS
+from engine.packed import invariant_attention
 
 # cpp_wrapper: the graph's kernels are called from C++, not from generated Python
 OPTIONS = {"cpp_wrapper": True}
@@ -67,7 +67,6 @@ class Compiled:
     def __init__(self, fn: Callable, notify: Callable[[str], None]):
         self.fn, self.notify = fn, notify
         self.stance = "default"  # compile_model refuses recompiles once warmed up
-        self.eager_rows = False  # a forward of more than ROWS rows ran eager (a long prompt)
 
     def fail(self, what: str) -> None:
         if self.fn is not None:  # one notice, however many layers see the failure
@@ -91,12 +90,10 @@ class CompiledBlock(nn.Module):
 
     def forward(self, x: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,
                 cache: KVCache | None, layer: int, mask: Tensor | None) -> Tensor:
-        fn, n, T = self.shared.fn, 0 if cache is None else cache.length, x.shape[1]
+        fn = self.shared.fn
         if cache is None or fn is None:
             return self.block(x, rows, cos, sin, cache, layer, mask)
-        if T > ROWS:   # a long prompt: traced, invariant_attention would gather T x S keys
-            self.shared.eager_rows = True
-            return self.block(x, rows, cos, sin, cache, layer, mask)
+        n, T = cache.length, x.shape[1]
         if n + T > cache.capacity:  # KVCache.append's check, made before the compiled call
             raise ValueError(f"KV cache full: {n} + {T} slots > capacity {cache.capacity}")
         # subtle: the slots [0, n + T), not the whole buffer: dynamo keeps a view's base size
@@ -123,7 +120,15 @@ def compile_model(model: Llama, notify: Callable[[str], None], trimmed: bool = F
     """Swap every block for a CompiledBlock sharing one compiled block_step, compile its
     graphs up front (`warm_up`; `trimmed`: lookahead's trimmed rows too), and return the
     model; on any failure, one notice through `notify` and the eager model. Call it last,
-    after prepack: the graphs depend on the kernels the blocks hold."""
+    after prepack: the graphs depend on the kernels the blocks hold.
+
+    The exact path stays eager (one notice): invariant_attention chooses which keys to gather
+    from the mask's data, which a graph cannot, and its traced form (every masked row gathering
+    all its keys) met a dynamo guard that reused a graph at the wrong key count."""
+    if model.layers[0].attention.attend is invariant_attention:
+        notify("compile: the exact path (--batch-invariant) runs eager: its attention reads "
+               "the mask to choose its blocks (engine/compiled.py)")
+        return model
     blocks = list(model.layers)
     try:
         shared = Compiled(torch.compile(block_step, dynamic=True, options=OPTIONS), notify)

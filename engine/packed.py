@@ -164,8 +164,7 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     between a row's own move its sums (2 rows in 1,000 on AVX-512, ~15 under AVX2).
     """
     B, H, T, D = q.shape
-    traced = torch.compiler.is_compiling()   # engine/compiled.py: no choice may read the data
-    if not traced and T > ROWS:   # each row's bits are its own, so rows can go in chunks
+    if T > ROWS:   # each row's bits are its own, so rows can go in chunks: bounded memory
         return torch.cat([invariant_attention(q[:, :, i:i + ROWS], k, v, attn_mask if attn_mask is None
                                               else attn_mask[i:i + ROWS]) for i in range(0, T, ROWS)], 2)
     Hkv, S = k.shape[1], k.shape[2]
@@ -179,12 +178,11 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     # A row with gaps sees a key after one it may not; without gaps, slot order is position
     # order and every block is shared. f: the keys in blocks every row sees. Neither choice
     # moves a bit (gathering a row without gaps keeps its order; f only splits the work).
-    # subtle: traced (engine/compiled.py), nothing may branch on the data: every masked row
-    # gathers all its keys (f = 0)
-    gaps = attn_mask is not None and (traced or bool((attn_mask[:, 1:] > attn_mask[:, :-1]).any()))
-    f = S if not gaps else 0 if traced else int(attn_mask.all(0).cumprod(0).sum()) // BLOCK * BLOCK
+    # subtle: both read the mask's data, which is why engine/compiled.py leaves this eager
+    gaps = attn_mask is not None and bool((attn_mask[:, 1:] > attn_mask[:, :-1]).any())
+    f = int(attn_mask.all(0).cumprod(0).sum()) // BLOCK * BLOCK if gaps else S
     blocks = []                                                         # each (B, Hkv, gT, n, D), by position
-    if f:   # subtle: a matmul over 0 blocks fails in inductor's C++ wrapper
+    if f:
         pv = pad_keys(p[..., :f], -1), pad_keys(v[:, :, :f], 2)        # (B, Hkv, gT, n BLOCK), (B, Hkv, n BLOCK, D)
         blocks.append(mm(pv[0].unflatten(-1, (-1, BLOCK)).transpose(2, 3),   # (B, Hkv, n, gT, BLOCK)
                          pv[1].unflatten(2, (-1, BLOCK))).transpose(2, 3))
@@ -207,12 +205,8 @@ def gathered(p: Tensor, v: Tensor, mask: Tensor, g: int) -> Tensor:
 
 
 def pad_keys(x: Tensor, dim: int) -> Tensor:
-    """x with zeros appended along `dim` (its keys) to a whole number of BLOCKs.
-
-    subtle: traced, always a whole zero block more, so that no count is 0 and no block count
-    is 1: a graph specializes on those (zero keys move no bit: each adds an exact 0)."""
-    n = x.shape[dim]
-    pad = 2 * BLOCK - n % BLOCK if torch.compiler.is_compiling() else -n % BLOCK
+    """x with zeros appended along `dim` (its keys) to a whole number of BLOCKs."""
+    pad = -x.shape[dim] % BLOCK
     return F.pad(x, (0, pad) if dim == -1 else (0, 0, 0, pad)) if pad else x
 
 

@@ -106,7 +106,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--compile", action="store_true",
                    help="opt-in: run the layers through torch.compile (inductor, C++; engine/compiled.py), "
                         "compiled when the model loads (tens of seconds); where no compiler works, one "
-                        "notice and eager. On --int4 --batch-invariant still every decoder's plain tokens")
+                        "notice and eager. Not an exact path; --batch-invariant stays eager (one notice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
@@ -371,10 +371,7 @@ def run(args) -> dict:
     # unless --batch-invariant makes bf16 activations' kernels row-invariant (packed.prepack)
     exact = not args.int4 and args.dtype in ("float32", "float64") or \
         model.layers[0].attention.attend is invariant_attention and rows_round_alike(model)
-    # a compiled model that ran some forwards eager (a fallback, a long prompt) used two sets
-    # of kernels, whose rows round apart
-    shared = model.layers[0].shared if isinstance(model.layers[0], CompiledBlock) else None
-    exact = exact and not (shared and (shared.fn is None or shared.eager_rows))
+    exact = exact and not isinstance(model.layers[0], CompiledBlock)   # compiled kernels round apart
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,

@@ -231,8 +231,7 @@ CONFIGS = {
 DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 # a config is compared with plain, unless it runs on another model: then with plain on that one
 BASELINE = {"lookahead auto --int4": "plain --int4",
-            "lookahead auto --int4 --batch-invariant": "plain --int4 --batch-invariant",
-            "lookahead auto --int4 --batch-invariant --compile": "plain --int4 --batch-invariant --compile"}
+            "lookahead auto --int4 --batch-invariant": "plain --int4 --batch-invariant"}
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
@@ -516,7 +515,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true",
-                   help="add the exact 4-bit path compiled (engine/compiled.py): plain and lookahead auto")
+                   help="add plain on the 4-bit path compiled (engine/compiled.py; not an exact path)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
@@ -638,15 +637,9 @@ def run(args: argparse.Namespace) -> dict:
                                                                               args.max_new_tokens, eos)
             configs["lookahead auto --int4 --batch-invariant"] = lambda p: decode_once(
                 qx, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
-            if args.compile:   # the 4-bit path through engine/compiled.py (opt-in), inexact and exact
+            if args.compile:   # the (inexact) 4-bit path through engine/compiled.py, opt-in
                 qi = compile_model(prepack(quantize_int4(load_model(args.checkpoint))), notify=progress)
                 configs["plain --int4 --compile"] = lambda p: decode_once(qi, p, CONFIGS["plain"], args.max_new_tokens, eos)
-                qc = compile_model(prepack(quantize_int4(load_model(args.checkpoint)), batch_invariant=True),
-                                   notify=progress)
-                configs["plain --int4 --batch-invariant --compile"] = lambda p: decode_once(
-                    qc, p, CONFIGS["plain"], args.max_new_tokens, eos)
-                configs["lookahead auto --int4 --batch-invariant --compile"] = lambda p: decode_once(
-                    qc, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
             # the same 4-bit model as speculative's draft, the fp32 target deciding: fp32's tokens
             configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))
             result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)

@@ -20,6 +20,7 @@ from torch import Tensor, nn
 from engine.llama import Llama
 
 
+MOST_ROWS = 32   # batch-invariant PackedLinear calls take 2..32 rows (see its forward)
 # the op's one overload, bound once: a call through the packet resolves it every time
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
@@ -41,15 +42,19 @@ class PackedLinear(nn.Module):
 
     def forward(self, x: Tensor) -> Tensor:
         # min_rows 1, the default, skips the row count: the hot path of every step
-        if self.min_rows == 1 or x.numel() // x.shape[-1] >= self.min_rows:
-            return LINEAR(x, self.packed, None, "none", [], "")
         n = x.numel() // x.shape[-1]                                  # rows, B*T
-        # subtle: oneDNN takes a matrix-vector kernel for one row and a matrix-matrix kernel
-        # for two or more, and they round differently; the latter gives every row the same
-        # bits whatever the row count, so zero rows make one-row steps take it too
-        x2 = F.pad(x.reshape(n, -1), (0, 0, 0, self.min_rows - n))   # (min_rows, in)
-        y = LINEAR(x2, self.packed, None, "none", [], "")
-        return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
+        if self.min_rows == 1 or self.min_rows <= n <= MOST_ROWS:
+            return LINEAR(x, self.packed, None, "none", [], "")
+        # subtle: oneDNN takes a matrix-vector kernel for one row, a matrix-matrix kernel for
+        # 2..32, and on an AMX CPU a tile kernel from 33 rows; they round differently. The
+        # 2..32 one gives every row the same bits whatever the row count, so one row is sent
+        # with a zero row, and more than 32 in calls of at most 32
+        x2 = x.reshape(n, -1)
+        if n > MOST_ROWS:
+            y = torch.cat([self(x2[i:i + MOST_ROWS]) for i in range(0, n, MOST_ROWS)])  # (n, out)
+        else:
+            y = LINEAR(F.pad(x2, (0, 0, 0, self.min_rows - n)), self.packed, None, "none", [], "")[:n]
+        return y.view(*x.shape[:-1], -1)                              # (..., out)
 
 
 def q4_groups(w: Tensor, group: int = 32) -> tuple[Tensor, Tensor, Tensor]:
@@ -112,8 +117,8 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
     the model is fp32 or bf16 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
 
-    batch_invariant: a row's outputs never depend on how many rows shared its forward: one-row
-    matmuls run as two rows (oneDNN's two-row kernel rounds as its k-row one), and on bf16
+    batch_invariant: a row's outputs never depend on how many rows shared its forward: every
+    matmul call takes 2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), and on bf16
     activations (bf16, --int4) attention is `invariant_attention`. There, with torch's int4
     kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
     Off by default: it makes a one-row step slower (docs/speed.md).
@@ -218,7 +223,7 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     return (F.pad(a, (0, 0, 0, 1)) @ b)[..., :1, :]
 
 
-def rows_round_alike(model: Llama, k: int = 8) -> bool:
+def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     """Whether this model's kernels round a row alike in a one-row and a k-row call on this CPU,
     probed on random rows: one layer's projections, the head, and the attention (k rows of a
     lookahead-like step, each seeing the cache and every other new key up to itself, against

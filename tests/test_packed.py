@@ -3,6 +3,7 @@ dtype's rounding), and with batch_invariant a row's outputs must not depend on h
 its forward.
 """
 import random
+from pathlib import Path
 
 import pytest
 import torch
@@ -294,3 +295,24 @@ def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
     q.layers[0].feed_forward.w13 = w13
     q.layers[0].attention.attend = torch.nn.functional.scaled_dot_product_attention
     assert not packed.rows_round_alike(q)
+
+
+def amx() -> bool:
+    return "amx_bf16" in open("/proc/cpuinfo").read() if Path("/proc/cpuinfo").exists() else False
+
+
+@pytest.mark.skipif(not packed.can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 here")
+def test_batch_invariant_packed_matmuls_round_a_row_alike_at_every_row_count():
+    # Why: the bf16 path sends 1..~100 rows through the same weights (plain's step, a verify
+    # step, lookahead's first step with the prompt); a row's bits must not depend on how many.
+    # On an AMX CPU oneDNN takes a tile kernel from 33 rows, which rounds apart: calls of at
+    # most 32 rows keep every row on one kernel
+    g = torch.Generator().manual_seed(0)
+    lin = packed.PackedLinear(torch.randn(1536, 576, generator=g).bfloat16(), min_rows=2)
+    x = torch.randn(100, 576, generator=g).bfloat16()
+    alone = torch.cat([lin(x[i:i + 1]) for i in range(100)])
+    assert all(torch.equal(lin(x[:M]), alone[:M]) for M in (2, 5, 32, 33, 40, 64, 100))
+    if amx():   # the broken variant: every row count in one call
+        whole = lambda rows: packed.LINEAR(rows, lin.packed, None, "none", [], "")
+        assert not all(torch.equal(whole(x[:M]), alone[:M]) for M in (33, 40, 64, 100))
+

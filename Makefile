@@ -53,11 +53,16 @@ bench: weights
 
 # llama.cpp for `make bench LLAMA_CPP=...`, built here from the source tree the pinned sdist of
 # llama-cpp-python vendors (checked by sha256; llama.cpp 0c1e57098, named by hand: the sdist has
-# no git history), CPU only, native ISA, just llama-completion and llama-bench (about 15 min on
+# no git history), CPU only, native ISA but AMX, just llama-completion and llama-bench (about 15 min on
 # 2 cores). Not part of `make test`; it prints the binary to pass as LLAMA_CPP.
 LLAMA_CPP_PY := 0.3.36
 LLAMA_CPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_CPP_COMMIT := 0c1e57098
+# subtle: -march=native on a CPU that lists AMX builds ggml's AMX kernels, and a VM that lists
+# AMX but does not grant the tile state kills them with SIGILL at the first batched matmul (the
+# prompt); decoding one token at a time never takes them, so they are left out. GGML_NATIVE
+# would put its -march=native after these flags and undo them, so it is off and ours is native
+NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
 LLAMA_CPP_DIR := build/llama.cpp
 LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz
 llama-cpp: $(LLAMA_CPP_DIR)/cmake/bin/llama-completion
@@ -67,7 +72,8 @@ $(LLAMA_CPP_DIR)/cmake/bin/llama-completion: | setup
 	$(VENV)/bin/pip download -q --no-deps --no-binary :all: llama-cpp-python==$(LLAMA_CPP_PY) -d $(LLAMA_CPP_DIR)
 	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_SDIST)" | sha256sum -c -
 	tar -xzf $(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_DIR)/src --strip-components=3 llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
-	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=ON \
+	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
+	  -DCMAKE_C_FLAGS="-march=native $(NO_AMX)" -DCMAKE_CXX_FLAGS="-march=native $(NO_AMX)" \
 	  -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT=$(LLAMA_CPP_COMMIT) -DLLAMA_OPENSSL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 	cmake --build $(LLAMA_CPP_DIR)/cmake -j2 --target llama-completion llama-bench

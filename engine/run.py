@@ -99,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
                         "and on bf16/--int4 attention sums keys in a fixed order, so every decoder prints that "
-                        "path's plain tokens there (one-row steps about 20%% slower here)")
+                        "path's plain tokens there (one-row steps 20-55%% slower, by CPU: README)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")

@@ -119,12 +119,12 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
     batch_invariant: a row's outputs never depend on how many rows shared its forward: every
     matmul call takes 2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), and on bf16
-    activations (bf16, --int4) attention is `invariant_attention`. There, with torch's int4
+    (bf16, --int4) and fp32 attention is `invariant_attention`. There, with torch's int4
     kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
     Off by default: it makes a one-row step slower (docs/speed.md).
     """
     m = 2 if batch_invariant else 1
-    if batch_invariant and model.tok_embeddings.weight.dtype == torch.bfloat16:
+    if batch_invariant and model.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float32):
         for block in model.layers:
             block.attention.attend = invariant_attention
     if not can_prepack(model.tok_embeddings.weight):
@@ -139,12 +139,13 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
 
 BLOCK = 32    # keys per block of invariant_attention's p @ v
-ROWS = 256    # query rows per pass of invariant_attention (a long prompt goes in chunks)
+ROWS = {torch.bfloat16: 256, torch.float32: 16}   # query rows per pass (a long prompt goes in
+                                                   # chunks; fp32's mm holds rows x keys x D)
 
 
 def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                         enable_gqa: bool = True) -> Tensor:
-    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for bf16 q (B, H, T, D), k, v (B, Hkv, S, D),
+    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for bf16 or fp32 q (B, H, T, D), k, v (B, Hkv, S, D),
     with each row's bits independent of the other rows and of the keys it may not see.
 
     SDPA's CPU kernel is not: it walks keys in blocks whose bounds depend on the call's shape,
@@ -162,16 +163,17 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     What this rests on, measured (tests/test_packed.py) and probed per CPU (rows_round_alike):
     oneDNN's bf16 matmul rounds a row alike whatever the other rows, given two or more (one
     row may take a matrix-vector kernel: `mm` pads it). fp32 matmuls (MKL) do not (one and
-    two rows take kernels of their own), so fp32 models keep SDPA. Where it does not hold, the
-    answer is still this attention, only not row-invariant.
+    two rows take kernels of their own), so in fp32 `mm` multiplies and sums instead. Where it
+    does not hold, the answer is still this attention, only not row-invariant.
     subtle: one matmul over all S keys for p @ v (this function's first version) is not
     enough: the kernels pair or unroll keys by index, so zero-weight keys of other rows
     between a row's own move its sums (2 rows in 1,000 on AVX-512, ~15 under AVX2).
     """
     B, H, T, D = q.shape
-    if T > ROWS:   # each row's bits are its own, so rows can go in chunks: bounded memory
-        return torch.cat([invariant_attention(q[:, :, i:i + ROWS], k, v, attn_mask if attn_mask is None
-                                              else attn_mask[i:i + ROWS]) for i in range(0, T, ROWS)], 2)
+    n = ROWS.get(q.dtype, 16)
+    if T > n:   # each row's bits are its own, so rows can go in chunks: bounded memory
+        return torch.cat([invariant_attention(q[:, :, i:i + n], k, v, attn_mask if attn_mask is None
+                                              else attn_mask[i:i + n]) for i in range(0, T, n)], 2)
     Hkv, S = k.shape[1], k.shape[2]
     g = H // Hkv
     qg = q.reshape(B, Hkv, g * T, D)                                   # (B, Hkv, gT, D), head h -> h // g
@@ -217,7 +219,11 @@ def pad_keys(x: Tensor, dim: int) -> Tensor:
 
 def mm(a: Tensor, b: Tensor) -> Tensor:
     """a @ b, with a one-row a sent as two rows: the matrix-vector kernel a single row takes
-    rounds apart from the matrix-matrix one that two or more take."""
+    rounds apart from the matrix-matrix one that two or more take. In fp32, sum_k a_mk b_kn as
+    a product and a sum over k (each sum a reduction of its own, whatever the other rows):
+    MKL's fp32 kernels round a row by the call's row count."""
+    if a.dtype == torch.float32:
+        return (a.unsqueeze(-1) * b.unsqueeze(-3)).sum(-2)            # (..., M, K, N) -> (..., M, N)
     if a.shape[-2] != 1:
         return a @ b
     return (F.pad(a, (0, 0, 0, 1)) @ b)[..., :1, :]

@@ -4,7 +4,7 @@ import json
 
 import pytest
 
-from engine.run import before_stop, main
+from engine.run import before_stop, main, stats_line
 from engine.weights import DEFAULT_CHECKPOINT
 
 real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
@@ -146,6 +146,22 @@ def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
         if not plain["exact_path"]:   # this CPU's int4 or bf16 kernel rounds by row count
             pytest.skip("packed.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
         other = run_json(argv + decoder, capsys)
+        assert other["tokens"] == plain["tokens"] and other["exact_path"]
+
+
+@real
+def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
+    # Why: fp32's SDPA rounds a verified row ~1e-4 of a logit apart from plain's one row, so the
+    # default fp32 path is called near-exact; --batch-invariant makes fp32 row-exact (attention
+    # by packed.invariant_attention), and there every decoder prints plain's tokens, bit for bit
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "24"]
+    default = run_json(argv + ["--decoder", "lookahead"], capsys)
+    assert not default["exact_path"] and default["near_exact"]
+    assert "near-exact path" in stats_line(default)
+    plain = run_json(argv + ["--batch-invariant"], capsys)
+    assert plain["exact_path"] and not plain["near_exact"]
+    for name in ("lookahead", "speculative", "lookup"):
+        other = run_json(argv + ["--batch-invariant"] + GREEDY_DECODERS.get(name, ["--decoder", name]), capsys)
         assert other["tokens"] == plain["tokens"] and other["exact_path"]
 
 

@@ -84,7 +84,7 @@ quality: weights
 	$(PY) -m tools.fidelity
 	$(PY) -m tools.quality
 
-# The exact paths, measured: on --int4 and bf16 with --batch-invariant, every decoder's greedy and
+# The exact paths, measured: on --int4, bf16 and fp32 with --batch-invariant, every decoder's greedy and
 # seeded tokens against that path's plain on every bench prompt (bench-out/exact-<dispatch>.*),
 # under this CPU's kernel dispatch and then the second one, as `make test`'s second pass. Slow
 # (hours on 2 cores at 64 tokens); EXACT_FLAGS="--quick --max-new-tokens 24" is one prompt per

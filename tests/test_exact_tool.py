@@ -11,7 +11,8 @@ PROMPTS = {"a#0": [1, 2, 3, 1, 2], "b#0": [4, 5, 6, 7], "c#0": [2, 2, 2]}
 
 
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "0"], ["--max-new-tokens", "x"],
-                                  ["--nope"], ["--quick", "1"], ["--no-batch-invariant=yes"]])
+                                  ["--nope"], ["--quick", "1"], ["--no-batch-invariant=yes"],
+                                  ["--paths", "fp16"], ["--paths", ""], ["--paths", "fp32,fp32"]])
 def test_bad_flags_exit_2_with_one_error_line(argv, capsys):
     from tools.exact import main
     with pytest.raises(SystemExit) as e:
@@ -55,3 +56,22 @@ def test_compare_names_the_first_difference_and_a_shorter_run():
     assert compare(["p", "q"], [[1, 2], [3, 4, 5]], [[1, 2], [3, 4]])["first"] == {
         "prompt": "q", "position": 2, "plain": [5], "decoder": []}
     assert compare(["p"], [[1, 2]], [[1, 9]])["identical"] == 0
+
+
+def test_margin_is_zero_on_the_exact_fp32_path_and_not_without_it():
+    # Why: --margin is how docs/exact-paths.md measures how near the near-exact fp32 path is;
+    # it must read 0 where rows round alike (--batch-invariant) and see SDPA's rounding elsewhere
+    import torch
+    from engine.llama import Llama, LlamaConfig
+    from engine.packed import prepack
+    from tools.exact import margin
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=96, vocab_size=64,
+                      head_dim=64)   # SmolLM2's heads, where SDPA rounds a row by the call's shape
+    torch.manual_seed(0)
+    model = Llama(cfg).float().requires_grad_(False)
+    prompts = {"a#0": list(range(1, 40)), "b#0": [5, 9, 2, 7] * 5}
+    exact = margin(prepack(model, batch_invariant=True), prompts, 20, rows=8)
+    assert exact["steps"] == 40 and exact["max_diff"] == 0 and exact["gaps_below_max_diff"] == 0
+    torch.manual_seed(0)
+    near = margin(prepack(Llama(cfg).float().requires_grad_(False)), prompts, 20, rows=8)
+    assert near["max_diff"] > 0

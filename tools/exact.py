@@ -1,11 +1,13 @@
-"""The exact paths, measured: on int4 and bf16 with --batch-invariant, does every decoder print
-that path's plain tokens, greedy and seeded, on every bench prompt?
+"""The exact paths, measured: on int4, bf16 and fp32 with --batch-invariant, does every decoder
+print that path's plain tokens, greedy and seeded, on every bench prompt?
 
-    python -m tools.exact [--quick] [--max-new-tokens 64] [--no-batch-invariant] [--out bench-out]
+    python -m tools.exact [--quick] [--max-new-tokens 64] [--paths int4,bf16,fp32]
+                          [--no-batch-invariant] [--out bench-out]
+    python -m tools.exact --margin [--paths fp32] [--no-batch-invariant]   # how near a near-exact path is
 
---int4 (4-bit layer weights, bf16 activations) and bf16 are inexact: a k-row forward (what
-lookahead, lookup and speculative verification run) may round a row apart from plain's one-row
-forward, so an accelerated decoder could leave plain's tokens on that very path.
+Without --batch-invariant a k-row forward (what lookahead, lookup and speculative verification
+run) may round a row apart from plain's one-row forward (--int4 and bf16 often, fp32 by ~1e-4 of
+a logit), so an accelerated decoder could leave plain's tokens on that very path.
 prepack(batch_invariant=True) makes every kernel row-invariant; rows_round_alike() probes it.
 This sweep is the proof in tokens: per path, plain greedy and plain sampled (temperature 0.8,
 seed = the prompt's index) are the references, and every other decoder, textbook and with its
@@ -32,6 +34,7 @@ import torch
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import generate
+from engine.kvcache import KVCache
 from engine.packed import prepack, quantize_int4, rows_round_alike
 from engine.policy import Prices
 from engine.sampling import Random, Sampler
@@ -39,8 +42,7 @@ from tools.cli import Parser, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
 MODES = {"greedy": Sampler(), "seeded": Sampler(temperature=0.8)}
-PATHS = {"int4 batch-invariant": (True, True), "bf16 batch-invariant": (False, True)}  # name -> (int4, invariant)
-CONTRAST = {"int4": (True, False), "bf16": (False, False)}    # --no-batch-invariant
+KINDS = ("int4", "bf16", "fp32")     # --paths: the weights' kind (int4: 4-bit layers, bf16 activations)
 
 
 @dataclass(frozen=True)
@@ -106,11 +108,35 @@ def sweep(model, prompts: dict[str, list[int]], eos, n: int, rows: list[Run], ta
     return {r.name: {m: compare(labels, got["plain", m], got[r.name, m]) for m in r.modes} for r in rows}
 
 
-def load(checkpoint: Path, int4: bool, batch_invariant: bool):
-    """As engine/run.py's load(): int4 from the fp32 weights, else bf16; then prepack."""
+def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict:
+    """How near plain a verify step is: plain greedy's one-row logits against the same tokens'
+    logits from forwards of `rows` rows (as a verify step sends them), per prompt and step.
+    A decoder leaves plain's greedy tokens only where the top-2 gap is below the difference."""
+    diff, gaps = [], []
+    with torch.inference_mode():
+        for p in prompts.values():
+            caches = [KVCache.for_model(model, len(p) + n + rows) for _ in range(2)]
+            one = [model(torch.tensor([p]), torch.arange(len(p)), caches[0])[0, -1]]  # (V,) each
+            model(torch.tensor([p]), torch.arange(len(p)), caches[1])
+            for i in range(n):
+                one.append(model(torch.tensor([[int(one[-1].argmax())]]), torch.tensor([len(p) + i]), caches[0])[0, -1])
+            toks = [int(x.argmax()) for x in one[:-1]]
+            k = torch.cat([model(torch.tensor([toks[s:s + rows]]), torch.arange(len(p) + s, len(p) + s + len(toks[s:s + rows])),
+                                 caches[1])[0] for s in range(0, n, rows)])               # (n, V)
+            L = torch.stack(one[1:]).float()                                                # (n, V)
+            diff += (L - k.float()).abs().amax(-1).tolist()
+            top = L.topk(2, -1).values
+            gaps += (top[:, 0] - top[:, 1]).tolist()
+    d, g = torch.tensor(diff), torch.tensor(gaps)
+    return {"steps": len(diff), "max_diff": d.max().item(), "median_diff": d.median().item(),
+            "smallest_gaps": sorted(gaps)[:5], "gaps_below_max_diff": int((g <= d.max()).sum())}
+
+
+def load(checkpoint: Path, kind: str, batch_invariant: bool):
+    """As engine/run.py's load(): int4 from the fp32 weights, else bf16 or fp32; then prepack."""
     from engine.weights import load_model
-    model = (quantize_int4(load_model(checkpoint, "cpu", torch.float32)) if int4
-             else load_model(checkpoint, "cpu", torch.bfloat16))
+    model = (quantize_int4(load_model(checkpoint, "cpu", torch.float32)) if kind == "int4"
+             else load_model(checkpoint, "cpu", torch.bfloat16 if kind == "bf16" else torch.float32))
     return prepack(model, batch_invariant=batch_invariant)
 
 
@@ -141,11 +167,17 @@ def parse_args(argv):
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="one prompt per category")
+    p.add_argument("--paths", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--no-batch-invariant", action="store_true",
                    help="the same paths without --batch-invariant, for contrast (differences expected)")
+    p.add_argument("--margin", action="store_true",
+                   help="instead of the sweep: one-row against 16-row logits of plain's tokens, and top-2 gaps")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     at_most(p, args, {"max_new_tokens": 4096})
+    args.paths = args.paths.split(",")
+    if not args.paths or not set(args.paths) <= set(KINDS) or len(set(args.paths)) < len(args.paths):
+        p.error(f"--paths: distinct names of {', '.join(KINDS)}, got {','.join(args.paths)!r}")
     return args
 
 
@@ -160,9 +192,15 @@ def main(argv: list[str] | None = None) -> int:
                   "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "seconds": 0,
                   "batch_invariant": not args.no_batch_invariant, "paths": {}, "command": "python -m tools.exact " + shlex.join(sys.argv[1:] if argv is None else argv)}
         t0 = time.perf_counter()
-        for path, (int4, invariant) in (CONTRAST if args.no_batch_invariant else PATHS).items():
+        for kind in args.paths:
+            path = kind + ("" if args.no_batch_invariant else " batch-invariant")
             progress(f"{path}: loading {args.checkpoint}")
-            model = load(args.checkpoint, int4, invariant)
+            model = load(args.checkpoint, kind, not args.no_batch_invariant)
+            if args.margin:
+                m = margin(model, prompts, args.max_new_tokens)
+                print(f"{path}: {m}", flush=True)
+                result["paths"][path] = {"margin": m}
+                continue
             result["paths"][path] = {"rows_round_alike": rows_round_alike(model), "decoders": sweep(
                 model, prompts, eos, args.max_new_tokens, runs(), f"{path}: ")}
             del model
@@ -171,6 +209,10 @@ def main(argv: list[str] | None = None) -> int:
     except (OSError, ValueError) as e:
         print(f"tools.exact: error: {e}", file=sys.stderr)
         return 2
+    if args.margin:
+        name = f"margin-{result['dispatch']}" + ("" if result["batch_invariant"] else "-no-batch-invariant")
+        write_atomic(out / f"{name}.json", (json.dumps(result, indent=1) + "\n").encode())
+        return 0
     print(table(result), end="")
     return 0
 

@@ -47,6 +47,17 @@ def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
     assert (llm.stats.drafted + llm.stats.draft_forwards > 0) == (decoder != "plain")
 
 
+def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
+    # Why: batch_invariant is the API's --batch-invariant; fp32 rows then round alike, bit for bit
+    from engine.packed import invariant_attention, rows_round_alike
+    llm = Engine.load(ckpt, batch_invariant=True)
+    assert llm.model.layers[0].attention.attend is invariant_attention and rows_round_alike(llm.model)
+    want = list(llm.tokens("the the the", max_new_tokens=16))
+    for decoder in ("lookahead", "lookup", "speculative"):
+        kw = {"second": 1} if DECODERS[decoder].second else {}
+        assert list(llm.tokens("the the the", decoder=decoder, max_new_tokens=16, adaptive=False, **kw)) == want
+
+
 def test_stream_pieces_join_to_the_text(ckpt):
     llm = Engine.load(ckpt)
     pieces = list(llm.stream([5, 6, 7], max_new_tokens=10, temperature=0.9, seed=4))

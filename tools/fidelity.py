@@ -1,6 +1,6 @@
 """How far an inexact mode is from fp32: python -m tools.fidelity [--tokens 64] [--out bench-out]
 
-fp32 is the engine's exact path; `--int4` (4-bit layers, bf16 activations) and bf16 trade
+fp32 is the engine's reference (near-exact, exact with --batch-invariant); `--int4` (4-bit layers, bf16 activations) and bf16 trade
 exactness for speed, and their rounding differs from one CPU to the next, so no test may pin
 their text. This report measures them instead, teacher-forced on a fixed corpus: each shipped
 bench prompt (bench/prompts.json, chat-templated) followed by fp32's own greedy continuation.

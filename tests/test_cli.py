@@ -154,14 +154,14 @@ def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
     # Why: fp32's SDPA rounds a verified row ~1e-4 of a logit apart from plain's one row, so the
     # default fp32 path is called near-exact; --batch-invariant makes fp32 row-exact (attention
     # by packed.invariant_attention), and there every decoder prints plain's tokens, bit for bit
-    argv = ["--prompt", PROMPT, "--max-new-tokens", "24"]
-    default = run_json(argv + ["--decoder", "lookahead"], capsys)
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "16", "--no-adaptive"]   # textbook loops: no pricing
+    default = run_json(argv + ["--decoder", "lookup"], capsys)
     assert not default["exact_path"] and default["near_exact"]
     assert "near-exact path" in stats_line(default)
     plain = run_json(argv + ["--batch-invariant"], capsys)
     assert plain["exact_path"] and not plain["near_exact"]
-    for name in ("lookahead", "speculative", "lookup"):
-        other = run_json(argv + ["--batch-invariant"] + GREEDY_DECODERS.get(name, ["--decoder", name]), capsys)
+    for decoder in (["lookahead"], ["speculative", "--draft", "layers:20", "--num-draft", "2"], ["lookup"]):
+        other = run_json(argv + ["--batch-invariant", "--decoder"] + decoder, capsys)
         assert other["tokens"] == plain["tokens"] and other["exact_path"]
 
 

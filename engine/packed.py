@@ -152,10 +152,10 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     so a verified row (k rows, masked, its keys at other slots) rounds apart from plain's one
     row. Here every sum over a row's keys reads its visible keys in position order, grouped by
     position the same way in every call:
-    - scores: one bf16 matmul over D (fp32 accumulation, as every matmul here);
+    - scores: one matmul (`mm`) over D, accumulated in fp32;
     - softmax in fp32: the max (exact), the sum by cumsum (sequential: a masked key's 0
       changes nothing);
-    - p @ v: in blocks of BLOCK positions, one bf16 matmul each (K = BLOCK in every call),
+    - p @ v: in blocks of BLOCK positions, one `mm` each (K = BLOCK in every call),
       the blocks summed in order by cumsum. Where a row's visible keys have gaps (lookahead's
       tree: other rows' keys between its own), the keys past the blocks every row sees are
       gathered per row, visible ones first in slot order (= position order). A plain row at

@@ -329,17 +329,18 @@ def bench_prompts(checkpoint: Path, quick: bool) -> tuple[dict[str, list[list[in
 HF_SCRIPT = (  # one greedy generate per stdin line [prompt ids, budget] -> [new ids, seconds]
     "import json, sys, time, torch\n"
     "from transformers import AutoModelForCausalLM\n"
-    "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).eval()\n"
+    "d = sys.argv[2]\n"
+    "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).to(d).eval()\n"
     "print(json.dumps(__import__('transformers').__version__), flush=True)\n"
     "for line in sys.stdin:\n"
     "    p, n = json.loads(line)\n"
     "    t0 = time.perf_counter()\n"
-    "    y = m.generate(torch.tensor([p]), max_new_tokens=n, do_sample=False)[0, len(p):]\n"
+    "    y = m.generate(torch.tensor([p], device=d), max_new_tokens=n, do_sample=False)[0, len(p):]\n"
     "    print(json.dumps([y.tolist(), time.perf_counter() - t0]), flush=True)\n")
 
 
 def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
-                 required: bool = False) -> tuple[str, Callable] | None:
+                 required: bool = False, device: str = "cpu") -> tuple[str, Callable] | None:
     """HF transformers' greedy `generate` on the same checkpoint, as one more config: a child
     `python` answers one prompt at a time, so its runs interleave with the engine's and its
     tokens are checked against plain's. None if that python lacks transformers, or a
@@ -354,7 +355,7 @@ def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
             raise ValueError(f"--hf-python {python}: {why}")
         progress(f"HF reference skipped: {why}")
     try:
-        child = subprocess.Popen([python, "-c", HF_SCRIPT, str(checkpoint)], stdin=subprocess.PIPE,
+        child = subprocess.Popen([python, "-c", HF_SCRIPT, str(checkpoint), device], stdin=subprocess.PIPE,
                                  stdout=subprocess.PIPE, stderr=err, text=True)
     except OSError as e:                                  # no such interpreter: no reference
         return skip(str(e))
@@ -626,7 +627,7 @@ def run(args: argparse.Namespace) -> dict:
             llama_cpp = reference(args.llama_cpp, args.gguf or default_gguf(), args.max_new_tokens,
                                   Tokenizer.load(args.checkpoint).decode, torch.get_num_threads())
         hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
-                          required=args.hf_python is not None)
+                          required=args.hf_python is not None, device=str(args.device))
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
             # the inexact --int4 mode as one more row: its speed, and how often it agrees
             q = prepack(quantize_int4(load_model(args.checkpoint)))

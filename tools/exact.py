@@ -113,15 +113,18 @@ def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict
     logits from forwards of `rows` rows (as a verify step sends them), per prompt and step.
     A decoder leaves plain's greedy tokens only where the top-2 gap is below the difference."""
     diff, gaps = [], []
+    d = model.tok_embeddings.weight.device
+    t = lambda x: torch.tensor(x, device=d)
+    r = lambda a, b: torch.arange(a, b, device=d)
     with torch.inference_mode():
         for p in prompts.values():
             caches = [KVCache.for_model(model, len(p) + n + rows) for _ in range(2)]
-            one = [model(torch.tensor([p]), torch.arange(len(p)), caches[0])[0, -1]]  # (V,) each
-            model(torch.tensor([p]), torch.arange(len(p)), caches[1])
+            one = [model(t([p]), r(0, len(p)), caches[0])[0, -1]]                    # (V,) each
+            model(t([p]), r(0, len(p)), caches[1])
             for i in range(n):
-                one.append(model(torch.tensor([[int(one[-1].argmax())]]), torch.tensor([len(p) + i]), caches[0])[0, -1])
+                one.append(model(t([[int(one[-1].argmax())]]), t([len(p) + i]), caches[0])[0, -1])
             toks = [int(x.argmax()) for x in one[:-1]]
-            k = torch.cat([model(torch.tensor([toks[s:s + rows]]), torch.arange(len(p) + s, len(p) + s + len(toks[s:s + rows])),
+            k = torch.cat([model(t([toks[s:s + rows]]), r(len(p) + s, len(p) + s + len(toks[s:s + rows])),
                                  caches[1])[0] for s in range(0, n, rows)])               # (n, V)
             L = torch.stack(one[1:]).float()                                                # (n, V)
             diff += (L - k.float()).abs().amax(-1).tolist()
@@ -132,11 +135,11 @@ def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict
             "smallest_gaps": sorted(gaps)[:5], "gaps_below_max_diff": int((g <= d.max()).sum())}
 
 
-def load(checkpoint: Path, kind: str, batch_invariant: bool):
-    """As engine/run.py's load(): int4 from the fp32 weights, else bf16 or fp32; then prepack."""
+def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
+    """As engine/run.py's load(): int4 from the fp32 weights (CPU only), else bf16 or fp32; then prepack."""
     from engine.weights import load_model
     model = (quantize_int4(load_model(checkpoint, "cpu", torch.float32)) if kind == "int4"
-             else load_model(checkpoint, "cpu", torch.bfloat16 if kind == "bf16" else torch.float32))
+             else load_model(checkpoint, device, torch.bfloat16 if kind == "bf16" else torch.float32))
     return prepack(model, batch_invariant=batch_invariant)
 
 
@@ -172,12 +175,20 @@ def parse_args(argv):
                    help="the same paths without --batch-invariant, for contrast (differences expected)")
     p.add_argument("--margin", action="store_true",
                    help="instead of the sweep: one-row against 16-row logits of plain's tokens, and top-2 gaps")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (there --paths bf16,fp32 --no-batch-invariant: "
+                                                    "int4 and --batch-invariant are CPU-only)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     at_most(p, args, {"max_new_tokens": 4096})
     args.paths = args.paths.split(",")
     if not args.paths or not set(args.paths) <= set(KINDS) or len(set(args.paths)) < len(args.paths):
         p.error(f"--paths: distinct names of {', '.join(KINDS)}, got {','.join(args.paths)!r}")
+    if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
+        p.error(f"--device: cpu or cuda[:N], got {args.device!r}")
+    if args.device != "cpu" and ("int4" in args.paths or not args.no_batch_invariant or not torch.cuda.is_available()):
+        p.error(f"--device {args.device}: " + ("CUDA is not available here" if not torch.cuda.is_available() else
+                                             "int4 runs on the CPU only" if "int4" in args.paths else
+                                             "pass --no-batch-invariant (--batch-invariant is CPU-only)"))
     return args
 
 
@@ -188,14 +199,15 @@ def main(argv: list[str] | None = None) -> int:
         out = out_dir(args.out)
         by_cat, eos = bench_prompts(args.checkpoint, args.quick)
         prompts = {f"{cat}#{i}": p for cat, ps in by_cat.items() for i, p in enumerate(ps)}
-        result = {"machine": machine(), "dispatch": torch.backends.cpu.get_cpu_capability(),
+        dispatch = torch.backends.cpu.get_cpu_capability() if args.device == "cpu" else "cuda"
+        result = {"machine": machine(args.device), "dispatch": dispatch, "device": args.device,
                   "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "seconds": 0,
                   "batch_invariant": not args.no_batch_invariant, "paths": {}, "command": "python -m tools.exact " + shlex.join(sys.argv[1:] if argv is None else argv)}
         t0 = time.perf_counter()
         for kind in args.paths:
             path = kind + ("" if args.no_batch_invariant else " batch-invariant")
             progress(f"{path}: loading {args.checkpoint}")
-            model = load(args.checkpoint, kind, not args.no_batch_invariant)
+            model = load(args.checkpoint, kind, not args.no_batch_invariant, args.device)
             if args.margin:
                 m = margin(model, prompts, args.max_new_tokens)
                 print(f"{path}: {m}", flush=True)

@@ -6,7 +6,7 @@ CKPT := weights/smollm2-135m-instruct
 PROMPT ?= Explain in three sentences why the sky is blue.
 DECODER ?= lookahead
 
-.PHONY: setup weights run test bench quality clean llama-cpp
+.PHONY: test-cuda setup weights run test bench quality clean llama-cpp
 
 # A virtualenv with the pinned dependencies (torch is the CPU wheel from local disk), then the
 # pinned test extras (transformers, whose speculative sampler tests/test_prove_hf.py certifies).
@@ -40,6 +40,13 @@ test: weights
 	ATEN_CPU_CAPABILITY=$(word 1,$(SECOND)) ONEDNN_MAX_CPU_ISA=$(word 2,$(SECOND)) HYPOTHESIS_PROFILE=ci \
 	  $(PY) -m pytest -q -p no:cacheprovider tests/test_fidelity.py tests/test_weights.py tests/test_cli.py \
 	  -k "not same_tokens_every_run and not bf16"
+
+# On a machine with a GPU (CI has none): the decoders' property tests with every tiny model on
+# CUDA, then every decoder against plain on the real weights there (docs/cuda.md).
+test-cuda: weights
+	ENGINE_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider tests/test_lookahead.py \
+	  tests/test_lookup.py tests/test_speculative.py tests/test_contrastive.py tests/test_generate.py
+	$(PY) -m tools.exact --device cuda --paths fp32,bf16 --no-batch-invariant --quick --max-new-tokens 32
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*),

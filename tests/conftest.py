@@ -20,6 +20,9 @@ settings.register_profile("dev", max_examples=20, deadline=None)
 settings.register_profile("ci", max_examples=40, deadline=None, print_blob=True)
 settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 
+# `make test-cuda`: the decoders' property tests with every tiny model on a GPU (CI has none)
+DEVICE = torch.device(os.environ.get("ENGINE_TEST_DEVICE", "cpu"))
+
 
 def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = False,
                scale: float = 1.0, hidden: int = 48) -> Llama:
@@ -35,7 +38,7 @@ def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = Fa
         else:  # std 1/sqrt(fan_in), then `scale` sharpens or flattens the next-token law
             p.data = torch.randn(p.shape, generator=g, dtype=p.dtype) * scale / p.shape[-1] ** 0.5
     model.tok_embeddings.weight.data *= p.shape[-1] ** 0.5 / 4  # embeddings of norm ~ sqrt(C)/4
-    return model.requires_grad_(False)
+    return model.requires_grad_(False).to(DEVICE)
 
 
 def run(decoder, model, prompt, n, *, sampler=Sampler(), seed=0, eos=(), stats=None, **knobs):

@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import tiny_llama
+from conftest import DEVICE, tiny_llama
 from engine import contrastive
 from engine.generate import generate, plain
 from engine.sampling import Random, Sampler
@@ -184,8 +184,8 @@ def test_sampling_draws_position_keyed_tokens_from_the_contrastive_law(kind):
     got = run(expert, amateur, prompt, 10, sampler=sampler, rng=rng, **knobs)
     seq = list(prompt)
     for _ in range(10):
-        x = torch.tensor([seq])
-        pos = torch.arange(len(seq))
+        x = torch.tensor([seq], device=DEVICE)
+        pos = torch.arange(len(seq), device=DEVICE)
         e = expert(x, pos)[0, -1]
         if kind == "model":
             a = amateur(x, pos)[0, -1]

@@ -1,7 +1,7 @@
 """generate() is the only code that knows the budget and EOS: it must cut exactly."""
 from engine.generate import Stats, Step, generate, plain
 from engine.sampling import Random, Sampler
-from conftest import tiny_llama
+from conftest import DEVICE, tiny_llama
 
 
 def steps(*lists):
@@ -55,7 +55,7 @@ def test_plain_greedy_is_the_argmax_of_full_forwards():
                         max_new_tokens=8))
     seq = list(prompt)
     for _ in range(8):
-        seq.append(int(model(torch.tensor([seq]), torch.arange(len(seq)))[0, -1].argmax()))
+        seq.append(int(model(torch.tensor([seq], device=DEVICE), torch.arange(len(seq), device=DEVICE))[0, -1].argmax()))
     assert got == seq[len(prompt):]
 
 

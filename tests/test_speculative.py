@@ -7,7 +7,7 @@ import pytest
 import torch
 from hypothesis import given, strategies as st
 
-from conftest import tiny_llama
+from conftest import DEVICE, tiny_llama
 from engine import speculative
 from engine.draft import Separate, int4_copy
 from engine.generate import Stats, generate, plain
@@ -24,7 +24,7 @@ def near_copy(target, seed, eps=0.05):
     """The target with every weight jittered: a draft that agrees often but not always."""
     draft, g = copy.deepcopy(target), torch.Generator().manual_seed(seed)
     for p in draft.parameters():
-        p.add_(eps * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype))
+        p.add_(eps * p.std() * torch.randn(p.shape, generator=g, dtype=p.dtype).to(p.device))
     return draft
 
 
@@ -55,7 +55,7 @@ def same_as_plain(kind, seed, K, P, budget, sampler=GREEDY, verify="rejection", 
     return got == want
 
 
-KINDS = st.sampled_from(["other", "near", "self", "int4"])
+KINDS = st.sampled_from(["other", "near", "self"] + (["int4"] if DEVICE.type == "cpu" else []))  # int4: CPU only
 
 
 # --------------------------------------------------------------------------- greedy
@@ -244,7 +244,7 @@ MUTANTS = {
 def caught(*case):
     try:
         return not same_as_plain(*case)
-    except (RuntimeError, ValueError):                   # a crash is a failing test too
+    except (RuntimeError, ValueError, IndexError):       # a crash is a failing test too
         return True
 
 

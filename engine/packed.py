@@ -113,6 +113,10 @@ def swap_projections(model: Llama, make) -> None:
                     setattr(parent, name, make(child.weight))
 
 
+CPU_ONLY = ("--batch-invariant runs on the CPU only: its row-invariant kernels are oneDNN's and its own; "
+            "on CUDA the rows of a k-row forward round apart whatever it does (docs/cuda.md)")
+
+
 def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
     the model is fp32 or bf16 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
@@ -123,6 +127,8 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
     Off by default: it makes a one-row step slower (docs/speed.md).
     """
+    if batch_invariant and model.tok_embeddings.weight.device.type != "cpu":
+        raise ValueError(CPU_ONLY)
     m = 2 if batch_invariant else 1
     if batch_invariant and model.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float32):
         for block in model.layers:
@@ -247,6 +253,7 @@ def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     mask = torch.ones(k, n + k, dtype=torch.bool)
     mask[:, n:] = (torch.arange(k)[None, :] <= torch.arange(k)[:, None]) & (torch.arange(k) % 2 == 0)
     mask[torch.arange(k), n + torch.arange(k)] = True                  # (k, n + k): own key, even ones
+    mask = mask.to(x.device)
     attend = model.layers[0].attention.attend
     with torch.inference_mode():
         rows = attend(q, *kv, attn_mask=mask, enable_gqa=True)       # (1, H, k, D)

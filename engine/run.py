@@ -32,7 +32,7 @@ from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, generate
-from engine.packed import invariant_attention, prepack, quantize_int4, rows_round_alike
+from engine.packed import CPU_ONLY, invariant_attention, prepack, quantize_int4, rows_round_alike
 from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -99,7 +99,7 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
                         "and attention sums keys in a fixed order, so every decoder prints that path's plain "
-                        "tokens bit for bit (--int4: one-row steps 20-55%% slower, by CPU: README)")
+                        "tokens bit for bit (CPU only; --int4: one-row steps 20-55%% slower, by CPU: README)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
@@ -223,6 +223,8 @@ def check_flags(args) -> None:
         raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
     if args.compile and device(args.device).type != "cpu":
         raise ValueError("--compile is built and tested for the CPU (engine/compiled.py); drop it on --device cuda")
+    if args.batch_invariant and device(args.device).type != "cpu":
+        raise ValueError(CPU_ONLY)
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     for flag in ("checkpoint", "draft", "amateur"):
@@ -482,7 +484,7 @@ def stats_line(r: dict) -> str:
             f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
             + ("" if r["exact_path"] or r["decoder"] == "plain" else
-               " | near-exact path: a near-tie may leave plain's tokens (--batch-invariant: exact)"
+               " | near-exact path: a near-tie may leave plain's tokens (--batch-invariant on a CPU: exact)"
                if r.get("near_exact") else
                " | inexact path: tokens may differ from plain's (k-row forwards round apart)"))
 

@@ -191,7 +191,7 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     # A row with gaps sees a key after one it may not; without gaps, slot order is position
     # order and every block is shared. f: the keys in blocks every row sees. Neither choice
     # moves a bit (gathering a row without gaps keeps its order; f only splits the work).
-    # subtle: both read the mask's data, which is why engine/compiled.py leaves this eager
+    # subtle: both read the mask's data, which is why tools/compiled.py leaves this eager
     gaps = attn_mask is not None and bool((attn_mask[:, 1:] > attn_mask[:, :-1]).any())
     f = int(attn_mask.all(0).cumprod(0).sum()) // BLOCK * BLOCK if gaps else S
     blocks = []                                                         # each (B, Hkv, gT, n, D), by position

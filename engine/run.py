@@ -27,7 +27,6 @@ from pathlib import Path
 
 import torch
 
-from engine.compiled import CompiledBlock, compile_model
 from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -103,10 +102,6 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
-    p.add_argument("--compile", action="store_true",
-                   help="opt-in: run the layers through torch.compile (inductor, C++; engine/compiled.py), "
-                        "compiled when the model loads (tens of seconds); where no compiler works, one "
-                        "notice and eager. Not an exact path; --batch-invariant stays eager (one notice)")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
@@ -197,15 +192,12 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
 
 
 def load(ckpt, args):
-    """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack,
-    compiled last with --compile (a failure is one notice, and the model stays eager)."""
+    """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack."""
     if args.int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
         model = quantize_int4(load_model(ckpt, args.device, torch.float32))
     else:
         model = load_model(ckpt, args.device, DTYPES[args.dtype])
-    model = model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
-    return compile_model(model, notify=lambda line: warn(f"note: {line}"),
-                         trimmed=args.trim_layers > 0) if args.compile else model
+    return model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
 
 
 def check_flags(args) -> None:
@@ -221,8 +213,6 @@ def check_flags(args) -> None:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
         raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
-    if args.compile and device(args.device).type != "cpu":
-        raise ValueError("--compile is built and tested for the CPU (engine/compiled.py); drop it on --device cuda")
     if args.batch_invariant and device(args.device).type != "cpu":
         raise ValueError(CPU_ONLY)
     if args.batch_invariant and args.no_prepack:
@@ -372,8 +362,7 @@ def run(args) -> dict:
     # the call's shape; in bf16 the matmuls too), so a decoder that verifies k rows may leave
     # plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4 often.
     # --batch-invariant makes every kernel row-invariant (packed.prepack), probed on this CPU
-    exact = model.layers[0].attention.attend is invariant_attention and rows_round_alike(model) \
-        and not isinstance(model.layers[0], CompiledBlock)              # compiled kernels round apart
+    exact = model.layers[0].attention.attend is invariant_attention and rows_round_alike(model)
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,

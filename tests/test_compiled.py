@@ -1,4 +1,4 @@
-"""The opt-in compiled layer stack (engine/compiled.py): a kernel swap that keeps the model's
+"""The opt-in compiled layer stack (tools/compiled.py): a kernel swap that keeps the model's
 answer (to its rounding), compiles every graph a decoder reaches up front, leaves the exact path
 eager, and, where it cannot compile, says so once and leaves the eager model working.
 
@@ -14,7 +14,8 @@ import pytest
 import torch
 
 from conftest import prompt_for, run, tiny_llama
-from engine import compiled, lookahead, packed
+from engine import lookahead, packed
+from tools import compiled
 from engine.generate import plain
 from engine.kvcache import KVCache
 from engine.llama import Block, Llama, LlamaConfig
@@ -106,7 +107,7 @@ def test_the_exact_path_stays_eager_with_one_notice_and_stays_exact():
 
 
 def test_a_compile_error_leaves_the_eager_model_with_one_notice(monkeypatch):
-    # Why: --compile is opt-in speed; a compiler that fails must cost a line, not the run
+    # Why: compiling is opt-in speed (make bench COMPILE=1); a compiler that fails must cost a line, not the run
     def broken(fn, **kw):
         def call(*a, **k):
             raise RuntimeError("inductor: C++ compile failed\nmore detail")
@@ -143,12 +144,12 @@ def test_a_refused_recompile_runs_eager_from_there_with_one_notice(monkeypatch):
 
 
 def test_without_a_compiler_one_notice_and_the_eager_answer(tmp_path):
-    # Why: a machine with no C++ compiler (or a VM image without one) must still run --compile
+    # Why: a machine with no C++ compiler (or a VM image without one) must still run COMPILE=1
     # runs, eager; a fresh inductor cache so that no earlier artifact hides the missing compiler
     script = (
         "import json, torch, sys; sys.path[:0] = ['tests', '.']\n"
         "from conftest import tiny_llama\n"
-        "from engine import compiled\n"
+        "from tools import compiled\n"
         "from engine.kvcache import KVCache\n"
         "m, notes = tiny_llama(0), []\n"
         "x = torch.arange(6)[None] % 16\n"

@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from engine.compiled import compile_model
+from tools.compiled import compile_model
 from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -516,7 +516,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true",
-                   help="add plain on the 4-bit path compiled (engine/compiled.py; not an exact path)")
+                   help="add plain on the 4-bit path compiled (tools/compiled.py; not an exact path)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
@@ -638,7 +638,7 @@ def run(args: argparse.Namespace) -> dict:
                                                                               args.max_new_tokens, eos)
             configs["lookahead auto --int4 --batch-invariant"] = lambda p: decode_once(
                 qx, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
-            if args.compile:   # the (inexact) 4-bit path through engine/compiled.py, opt-in
+            if args.compile:   # the (inexact) 4-bit path through tools/compiled.py, opt-in
                 qi = compile_model(prepack(quantize_int4(load_model(args.checkpoint))), notify=progress)
                 configs["plain --int4 --compile"] = lambda p: decode_once(qi, p, CONFIGS["plain"], args.max_new_tokens, eos)
             # the same 4-bit model as speculative's draft, the fp32 target deciding: fp32's tokens

@@ -1,4 +1,8 @@
-"""Opt-in: every layer through one torch.compile'd function (inductor, C++ wrapper).
+"""The 4-bit step compiled, for the bench: every layer through one torch.compile'd function
+(inductor, C++ wrapper). `make bench COMPILE=1` adds it as a row (tools/bench.py --compile).
+
+It was the CLI's --compile until it gave no gain the VMs' drift lets one call (docs/compile.md),
+and was never an exact path; it lives beside the library now, where it is measured.
 
 Why: a one-row int4 step spends more time between its matmuls (norms, RoPE, views, casts,
 the Python that calls them) than in them (docs/split.md); inductor fuses the small ops into a
@@ -16,7 +20,7 @@ is refused.
 
 Exactness: compiled and eager kernels round apart (fused norms and RoPE), and a compiled
 model's attention is SDPA's, whose rows round by the call's shape: a compiled run is not an
-exact path, and the stats line says so. The exact path (--batch-invariant) is not compiled:
+exact path. The exact path (--batch-invariant) is not compiled:
 compile_model leaves it eager with one notice.
 
 Never a traceback, never a wrong answer: where no compiler works, compiling fails, or a
@@ -127,7 +131,7 @@ def compile_model(model: Llama, notify: Callable[[str], None], trimmed: bool = F
     all its keys) met a dynamo guard that reused a graph at the wrong key count."""
     if model.layers[0].attention.attend is invariant_attention:
         notify("compile: the exact path (--batch-invariant) runs eager: its attention reads "
-               "the mask to choose its blocks (engine/compiled.py)")
+               "the mask to choose its blocks (tools/compiled.py)")
         return model
     blocks = list(model.layers)
     try:

@@ -58,6 +58,17 @@ def run_json(argv, capsys):
     return json.loads(capsys.readouterr().out)
 
 
+PLAIN = {}
+
+
+def plain_json(argv, capsys):
+    """run_json of a plain command, run once per module: the reference many tests compare with
+    (plain is deterministic: test_int4_commands_print_the_same_tokens_every_run)."""
+    if tuple(argv) not in PLAIN:
+        PLAIN[tuple(argv)] = run_json(argv, capsys)
+    return PLAIN[tuple(argv)]
+
+
 @real
 def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
     # Why: the same chat-templated prompt through HF transformers gave this text (golden.json).
@@ -96,7 +107,7 @@ GREEDY_DECODERS = {
 def test_greedy_decoders_print_what_plain_prints(name, capsys):
     # Why: a user switching --decoder at temperature 0 must see the same text, only faster.
     argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0"]
-    plain = run_json(argv + ["--decoder", "plain"], capsys)
+    plain = plain_json(argv + ["--decoder", "plain"], capsys)
     other = run_json(argv + GREEDY_DECODERS[name], capsys)
     assert other["tokens"] == plain["tokens"] and other["text"] == plain["text"]
 
@@ -108,7 +119,7 @@ def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
     # verification prints plain sampling's tokens for the seed; rejection keeps plain's law
     # (test_proofs), and one command prints the same tokens every run.
     argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "5"]
-    plain = run_json(argv, capsys)
+    plain = plain_json(argv, capsys)
     runs = [run_json(argv + ["--decoder", "speculative", "--draft", "int4", "--verify", verify], capsys)
             for _ in range(2)]
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["draft"] == "int4"
@@ -142,7 +153,7 @@ def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
     decoder = GREEDY_DECODERS.get(name, ["--decoder", name])
     for prompt in (PROMPT, "List five fruits and their colours."):
         argv = ["--prompt", prompt, "--max-new-tokens", "40"] + INT4_EXACT
-        plain = run_json(argv, capsys)
+        plain = plain_json(argv, capsys)
         if not plain["exact_path"]:   # this CPU's int4 or bf16 kernel rounds by row count
             pytest.skip("packed.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
         other = run_json(argv + decoder, capsys)

@@ -38,13 +38,13 @@ class Engine:
     stats: Stats | None = None     # of the last call, filled as its tokens stream
 
     @classmethod
-    def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, packed: bool = True,
-             batch_invariant: bool = False) -> Engine:
-        """A checkpoint directory (default: `make weights`' model), on the CPU; packed: the
-        oneDNN matmuls the CLI uses unless --no-prepack; batch_invariant: --batch-invariant,
-        every decoder's tokens plain's bit for bit (fp32, bf16)."""
+    def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             packed: bool = True, batch_invariant: bool = False) -> Engine:
+        """A checkpoint directory (default: `make weights`' model) on `device` (cpu, cuda[:N]);
+        packed: the oneDNN matmuls the CLI uses on a CPU unless --no-prepack; batch_invariant:
+        --batch-invariant (CPU only), every decoder's tokens plain's bit for bit (fp32, bf16)."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
-        model = load_model(ckpt, dtype=dtype)
+        model = load_model(ckpt, device, dtype)
         return cls(prepack(model, batch_invariant) if packed else model, Tokenizer.load(ckpt))
 
     def ids(self, prompt: str | list[int]) -> list[int]:

@@ -58,6 +58,16 @@ def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
         assert list(llm.tokens("the the the", decoder=decoder, max_new_tokens=16, adaptive=False, **kw)) == want
 
 
+def test_the_device_is_where_the_weights_go_and_batch_invariant_stays_on_the_cpu(ckpt):
+    # Why: Engine.load(device=) is the API's --device (docs/cuda.md: an H200 ran every decoder);
+    # meta stands in for CUDA here: the weights go there, unpacked, and the CPU-only
+    # batch_invariant is one ValueError, as the CLI's --batch-invariant on --device cuda is
+    llm = Engine.load(ckpt, device="meta")
+    assert llm.model.tok_embeddings.weight.device.type == "meta" and llm.model.packed_head is None
+    with pytest.raises(ValueError, match="CPU only"):
+        Engine.load(ckpt, device="meta", batch_invariant=True)
+
+
 def test_stream_pieces_join_to_the_text(ckpt):
     llm = Engine.load(ckpt)
     pieces = list(llm.stream([5, 6, 7], max_new_tokens=10, temperature=0.9, seed=4))

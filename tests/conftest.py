@@ -24,6 +24,11 @@ settings.load_profile(os.environ.get("HYPOTHESIS_PROFILE", "dev"))
 DEVICE = torch.device(os.environ.get("ENGINE_TEST_DEVICE", "cpu"))
 
 
+def pytest_configure(config):
+    if DEVICE.type == "cuda" and not torch.cuda.is_available():
+        raise pytest.UsageError("ENGINE_TEST_DEVICE=cuda: no CUDA device here (make test-cuda needs a GPU)")
+
+
 def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = False,
                scale: float = 1.0, hidden: int = 48) -> Llama:
     """A random float64 Llama (C=32, H=4, Hkv=2, F=48) whose every weight is drawn from `seed`;

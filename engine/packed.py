@@ -158,20 +158,21 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     so a verified row (k rows, masked, its keys at other slots) rounds apart from plain's one
     row. Here every sum over a row's keys reads its visible keys in position order, grouped by
     position the same way in every call:
-    - scores: one matmul (`mm`) over D, accumulated in fp32;
-    - softmax in fp32: the max (exact), the sum by cumsum (sequential: a masked key's 0
-      changes nothing);
-    - p @ v: in blocks of BLOCK positions, one `mm` each (K = BLOCK in every call),
-      the blocks summed in order by cumsum. Where a row's visible keys have gaps (lookahead's
-      tree: other rows' keys between its own), the keys past the blocks every row sees are
-      gathered per row, visible ones first in slot order (= position order). A plain row at
-      position t and a verified row at t then multiply the same blocks of the same keys.
+    - scores: one matmul (`mm`) over D, accumulated in fp32; the weights e = exp((s - max) /
+      sqrt(D)) in fp32 (the max is exact), cast to the model's dtype, not yet normalised;
+    - e @ [v | 1]: in blocks of BLOCK positions, one `mm` each (K = BLOCK in every call),
+      the blocks summed in order by cumsum; the column of ones gives each row's sum of e
+      from the same blocks, so y = (e @ v) / (e @ 1). Where a row's visible keys have gaps
+      (lookahead's tree: other rows' keys between its own), the keys past the blocks every
+      row sees are gathered per row, visible ones first in slot order (= position order). A
+      plain row at position t and a verified row at t then multiply the same blocks of the
+      same keys, and a masked key's 0 adds nothing.
     What this rests on, measured (tests/test_packed.py) and probed per CPU (rows_round_alike):
     oneDNN's bf16 matmul rounds a row alike whatever the other rows, given two or more (one
     row may take a matrix-vector kernel: `mm` pads it). fp32 matmuls (MKL) do not (one and
     two rows take kernels of their own), so in fp32 `mm` multiplies and sums instead. Where it
     does not hold, the answer is still this attention, only not row-invariant.
-    subtle: one matmul over all S keys for p @ v (this function's first version) is not
+    subtle: one matmul over all S keys for e @ v (this function's first version) is not
     enough: the kernels pair or unroll keys by index, so zero-weight keys of other rows
     between a row's own move its sums (2 rows in 1,000 on AVX-512, ~15 under AVX2).
     """
@@ -185,36 +186,41 @@ def invariant_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | Non
     qg = q.reshape(B, Hkv, g * T, D)                                   # (B, Hkv, gT, D), head h -> h // g
     s = mm(qg, k.transpose(-1, -2)).float()                             # (B, Hkv, gT, S)
     if attn_mask is not None:
-        s.masked_fill_(~attn_mask.repeat(g, 1), float("-inf"))         # mask (T, S) -> (gT, S)
-    e = s.sub_(s.amax(-1, keepdim=True)).mul_(D ** -0.5).exp_()       # exp((s - max) / sqrt(D))
-    p = e.div_(e.cumsum(-1)[..., -1:]).to(q.dtype)                      # subtle: cumsum, not sum
+        s.view(B, Hkv, g, T, S).masked_fill_(~attn_mask, float("-inf"))  # mask (T, S), each of g heads
+    e = s.sub_(s.amax(-1, keepdim=True)).mul_(D ** -0.5).exp_().to(q.dtype)  # exp((s - max) / sqrt(D))
     # A row with gaps sees a key after one it may not; without gaps, slot order is position
     # order and every block is shared. f: the keys in blocks every row sees. Neither choice
     # moves a bit (gathering a row without gaps keeps its order; f only splits the work).
     # subtle: both read the mask's data, which is why tools/compiled.py leaves this eager
     gaps = attn_mask is not None and bool((attn_mask[:, 1:] > attn_mask[:, :-1]).any())
     f = int(attn_mask.all(0).cumprod(0).sum()) // BLOCK * BLOCK if gaps else S
-    blocks = []                                                         # each (B, Hkv, gT, n, D), by position
+    blocks = []                                                         # each (B, Hkv, gT, n, D + 1), by position
     if f:
-        pv = pad_keys(p[..., :f], -1), pad_keys(v[:, :, :f], 2)        # (B, Hkv, gT, n BLOCK), (B, Hkv, n BLOCK, D)
-        blocks.append(mm(pv[0].unflatten(-1, (-1, BLOCK)).transpose(2, 3),   # (B, Hkv, n, gT, BLOCK)
-                         pv[1].unflatten(2, (-1, BLOCK))).transpose(2, 3))
+        ev = pad_keys(e[..., :f], -1), with_ones(v[:, :, :f])          # (B, Hkv, gT, n BLOCK), (B, Hkv, n BLOCK, D + 1)
+        blocks.append(mm(ev[0].unflatten(-1, (-1, BLOCK)).transpose(2, 3),   # (B, Hkv, n, gT, BLOCK)
+                         ev[1].unflatten(2, (-1, BLOCK))).transpose(2, 3))
     if gaps:
-        blocks.append(gathered(p[..., f:], v[:, :, f:], attn_mask[:, f:], g))
-    y = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, 3)).float().cumsum(3)[:, :, :, -1]  # (B, Hkv, gT, D)
-    return y.to(q.dtype).view(B, H, T, D)                               # (B, H, T, D)
+        blocks.append(gathered(e[..., f:], with_ones(v[:, :, f:]), attn_mask[:, f:], g))
+    y = (blocks[0] if len(blocks) == 1 else torch.cat(blocks, 3)).float().cumsum(3)[:, :, :, -1]  # (B, Hkv, gT, D + 1)
+    return (y[..., :D] / y[..., D:]).to(q.dtype).view(B, H, T, D)      # (B, H, T, D)
 
 
 def gathered(p: Tensor, v: Tensor, mask: Tensor, g: int) -> Tensor:
-    """invariant_attention's tail: each row's visible keys (p (B, Hkv, gT, St), v (B, Hkv, St, D),
-    mask (T, St)) gathered first, in slot order, then in blocks -> (B, Hkv, gT, nt, D)."""
+    """invariant_attention's tail: each row's visible keys (p (B, Hkv, gT, St), v (B, Hkv, St, Dv),
+    mask (T, St)) gathered first, in slot order, then in blocks -> (B, Hkv, gT, nt, Dv)."""
     (B, Hkv, gT, St), T, D = p.shape, mask.shape[0], v.shape[-1]
     order = torch.sort((~pad_keys(mask, -1)).to(torch.uint8), stable=True).indices  # (T, St + pad)
     p = pad_keys(p, -1).view(B, Hkv, g, T, -1).gather(-1, order.expand(B, Hkv, g, T, -1))
-    v = pad_keys(v, 2)[:, :, order]                                     # (B, Hkv, T, St + pad, D)
+    v = pad_keys(v, 2)[:, :, order]                                     # (B, Hkv, T, St + pad, Dv)
     parts = mm(p.unflatten(-1, (-1, BLOCK)).permute(0, 1, 3, 4, 2, 5),  # (B, Hkv, T, nt, g, BLOCK)
-               v.unflatten(3, (-1, BLOCK)))                             # (B, Hkv, T, nt, g, D)
-    return parts.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, gT, -1, D)  # (B, Hkv, gT, nt, D)
+               v.unflatten(3, (-1, BLOCK)))                             # (B, Hkv, T, nt, g, Dv)
+    return parts.permute(0, 1, 4, 2, 3, 5).reshape(B, Hkv, gT, -1, D)  # (B, Hkv, gT, nt, Dv)
+
+
+def with_ones(v: Tensor) -> Tensor:
+    """[v | 1] (B, Hkv, S, D) -> (B, Hkv, n BLOCK, D + 1), padded to whole BLOCKs of keys, in
+    one copy. A padded key is all ones, which its weight, padded with 0, cancels."""
+    return F.pad(v, (0, 1, 0, -v.shape[2] % BLOCK), value=1.0)
 
 
 def pad_keys(x: Tensor, dim: int) -> Tensor:

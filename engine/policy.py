@@ -17,6 +17,7 @@ machine print the same tokens, and a policy moves the speed, never the tokens.
 """
 from __future__ import annotations
 
+from collections import Counter
 from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
@@ -65,14 +66,12 @@ def row_cost(model: Llama, table: dict[int, float] | None = None) -> Callable[[i
 
 def interpolate(table: dict[int, float], k: int) -> float:
     ks = sorted(table)
-    if k <= ks[0]:
+    if k <= ks[0] or len(ks) == 1:
         return table[ks[0]]
     for a, b in zip(ks, ks[1:]):
         if k <= b:
             return table[a] + (table[b] - table[a]) * (k - a) / (b - a)
-    a, b = ks[-2:] if len(ks) > 1 else (ks[0], ks[0])   # past the last point: the last slope
-    slope = (table[b] - table[a]) / (b - a) if b > a else 0.0
-    return table[b] + slope * (k - b)
+    return table[b] + (table[b] - table[a]) / (b - a) * (k - b)   # past the last point: the last slope
 
 
 def layer_share(model: Llama, layers: int) -> float:
@@ -140,8 +139,7 @@ class Arms:
         # subtle: a one-row arm (plain) has nothing to learn: 1 token for 1 unit, known, never retried
         plain = [w + g == 0 for w, g in arms]
         self.wait = [10**9 if p else max(1, round(patience * (c - 1))) for p, c in zip(plain, self.nominal)]
-        self.tokens = [float(p) for p in plain]
-        self.spent = [float(p) for p in plain]
+        self.tokens, self.spent = [float(p) for p in plain], [float(p) for p in plain]
         self.last = [0 if p else -1 for p in plain]
         self.step = 0
 
@@ -167,9 +165,6 @@ class Arms:
 
 # --------------------------------------------------------------------------- copy length
 
-PRIOR = (0.5, 1.0)       # (agreed, checked) before any check: an unseen position agrees 1 in 2
-
-
 class CopyLength:
     """How much of prompt lookup's proposal to send: the length that pays for its rows.
 
@@ -184,8 +179,7 @@ class CopyLength:
 
     def __init__(self, cost: Callable[[int], float]):
         self.cost = cost
-        self.checked: dict[tuple[int, int], int] = {}
-        self.agreed: dict[tuple[int, int], int] = {}
+        self.checked, self.agreed = Counter(), Counter()      # (n, j) -> counts, as in p[n, j]
         self.pending: list[tuple[int, int, list[int]]] = []   # (text position, n, proposal)
 
     def length(self, text: list[int], proposal: list[int], n: int, beat: float = 1.0,
@@ -197,7 +191,7 @@ class CopyLength:
             self.pending.append((len(text), n, proposal))
         best, cut, tokens, alive = beat, 0, 1.0, 1.0
         for j in range(min(len(proposal), len(proposal) if room is None else room)):
-            alive *= (self.agreed.get((n, j), 0) + PRIOR[0]) / (self.checked.get((n, j), 0) + PRIOR[1])
+            alive *= (self.agreed[n, j] + 0.5) / (self.checked[n, j] + 1)
             tokens += alive
             if tokens / self.cost(j + 2) > best:
                 best, cut = tokens / self.cost(j + 2), j + 1
@@ -213,8 +207,8 @@ class CopyLength:
                 waiting.append((at, n, full))
                 continue
             for i in range(min(j + 1, len(full))):           # positions 0..j were checked
-                self.checked[n, i] = self.checked.get((n, i), 0) + 1
-                self.agreed[n, i] = self.agreed.get((n, i), 0) + (i < j)
+                self.checked[n, i] += 1
+                self.agreed[n, i] += i < j
         self.pending = waiting
 
 
@@ -256,19 +250,14 @@ class DraftLength:
         self.first_probe = self.probe = probe
         self.idle = 0                                      # plain steps since the last measurement
 
-    @property
-    def alpha(self) -> float:
-        return self.accepted / self.trials
-
     def update(self, k: int, accepted: int) -> None:
         if k:
-            d = self.decay
-            self.accepted = d * self.accepted + accepted
-            self.trials = d * self.trials + accepted + (accepted < k)
+            self.accepted = self.decay * self.accepted + accepted
+            self.trials = self.decay * self.trials + accepted + (accepted < k)
             self.idle = 0
         else:
             self.idle += 1
-        self.k = best_k(self.alpha, self.c_draft, self.c_verify, self.most)
+        self.k = best_k(self.accepted / self.trials, self.c_draft, self.c_verify, self.most)
         if self.k or (k and accepted == k):                # drafting pays, or a probe all accepted
             self.probe = self.first_probe
         elif self.idle >= self.probe:                      # probe: one draft, to measure alpha
@@ -316,7 +305,7 @@ def pays(target: Llama, draft: Llama | SelfDraft, prices: Prices = Prices()) -> 
 
 def pick_draft(target: Llama, drafts: list[tuple[Llama | SelfDraft, Prices]]) -> Llama | SelfDraft:
     """--draft auto: of (draft, its prices) pairs, the draft that `pays` most; the first of equals."""
-    return max(drafts, key=lambda d: pays(target, *d))[0]     # max keeps the first of equals
+    return max(drafts, key=lambda d: pays(target, *d))[0]
 
 
 # --------------------------------------------------------------------------- per decoder

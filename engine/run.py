@@ -19,6 +19,7 @@ if __name__ == "__main__":
     signal.signal(signal.SIGINT, lambda *_: os._exit(130))
 
 import argparse
+import contextlib
 import json
 import math
 import resource
@@ -43,7 +44,6 @@ AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report cho
 
 class Parser(argparse.ArgumentParser):
     """Bad flags in one line, with exit code 2 (tools/cli.py does the same for the tools)."""
-
     def error(self, message):
         self.exit(2, f"error: {message}\n")
 
@@ -94,7 +94,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
     p.add_argument("--no-prepack", action="store_true",
-                   help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row forwards most)")
+                   help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row "
+                        "forwards most)")
     p.add_argument("--batch-invariant", action="store_true",
                    help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
                         "and attention sums keys in a fixed order, so every decoder prints that path's plain "
@@ -118,8 +119,8 @@ def parser() -> argparse.ArgumentParser:
     g.add_argument("--trim-layers", type=int, default=0, help="freeze window rows in the last m layers")
     g = p.add_argument_group("speculative")
     g.add_argument("--draft", default="auto",
-                   help="int4: the target's weights in 4 bits; layers:L: the target's first L layers; a "
-                        f"checkpoint dir; auto (default): int4 where the cost model says it pays, else layers:{SELF_DRAFT_LAYERS}")
+                   help="int4: the target's weights in 4 bits; layers:L: the target's first L layers; a checkpoint "
+                        f"dir; auto (default): int4 where the cost model says it pays, else layers:{SELF_DRAFT_LAYERS}")
     g.add_argument("--draft-cost", type=float,
                    help="one draft token's cost in one-row target forwards, for --adaptive (default: "
                         "measured once on this machine beside the cost table)")
@@ -149,25 +150,28 @@ def models(args, ckpt) -> tuple:
     if d.second is None:
         return ()
     spec = getattr(args, d.second)
-    if d.second == "draft" and spec in ("int4", "auto"):
-        fallback = (d.early_exit(min(SELF_DRAFT_LAYERS, max(load_config(ckpt).n_layers - 1, 1))),)
+    if d.second == "draft" and spec in ("int4", "auto"):   # int4 where it can be built, else auto self-drafts
         if args.int4 or args.device != "cpu":
-            if spec == "auto":
-                return fallback
-            raise ValueError("--draft int4 drafts for a target on the CPU that is not 4-bit itself"
-                             + (" (drop --int4)" if args.int4 else ""))
-        try:
-            return (load(ckpt, argparse.Namespace(**{**vars(args), "int4": True})),)
-        except ValueError as e:       # shapes that do not pack in groups of 32
-            if spec == "auto":
-                return fallback
-            raise ValueError(f"--draft int4: {e}") from None
+            why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself"
+            why += " (drop --int4)" if args.int4 else ""
+        else:
+            try:
+                return (load(ckpt, argparse.Namespace(**{**vars(args), "int4": True})),)
+            except ValueError as e:       # shapes that do not pack in groups of 32
+                why = f"--draft int4: {e}"
+        if spec == "auto":
+            return (self_draft(load_config(ckpt).n_layers),)
+        raise ValueError(why)
     if not spec.startswith("layers:"):
         return (load(spec, args),)
     L = spec.split(":", 1)[1]
     if not L.isdigit():
         raise ValueError(f"{spec!r}: expected layers:L with L an integer")
     return (d.early_exit(int(L)),)
+
+
+def self_draft(n_layers: int) -> SelfDraft:
+    return SelfDraft(min(SELF_DRAFT_LAYERS, max(n_layers - 1, 1)))
 
 
 def knobs(args) -> dict:
@@ -185,14 +189,13 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     if int4 and cost is None:
         cost = draft_price(model, second[0], notify=notes.append)
     if int4 and args.draft == "auto":
-        self_draft = SelfDraft(min(SELF_DRAFT_LAYERS, max(model.config.n_layers - 1, 1)))
-        pick = pick_draft(model, [(self_draft, Prices(table)), (second[0], Prices(table, cost))])
-        second, cost = (pick,), None if pick is self_draft else cost
+        own = self_draft(model.config.n_layers)
+        pick = pick_draft(model, [(own, Prices(table)), (second[0], Prices(table, cost))])
+        second, cost = (pick,), None if pick is own else cost
     return second, Prices(table, cost)
 
 
 def load(ckpt, args):
-    """A checkpoint on --device in --dtype, with prepacked CPU matmuls unless --no-prepack."""
     if args.int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
         model = quantize_int4(load_model(ckpt, args.device, torch.float32))
     else:
@@ -204,16 +207,21 @@ def check_flags(args) -> None:
     """Every flag that can be judged without the checkpoint, before anything is read."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
-    for flag, text in [("--prompt", args.prompt)] + [("--stop", t) for t in args.stop]:
-        utf8(text, flag)
-    device(args.device)
+    # subtle: Python keeps undecodable argv bytes as lone surrogates; the tokenizer would raise
+    # on them deep inside, so name them here
+    for flag, text in [("--prompt", args.prompt or "")] + [("--stop", t) for t in args.stop]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start}: {text[e.start]!r})") from None
+    dev = device(args.device)
     if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
         raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
-    if args.batch_invariant and device(args.device).type != "cpu":
+    if args.batch_invariant and dev.type != "cpu":
         raise ValueError(CPU_ONLY)
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
@@ -226,43 +234,27 @@ def check_flags(args) -> None:
                          f"overflows l_A / tau), got {t:g}")
 
 
-def utf8(text: str | None, what: str) -> None:
-    # subtle: Python keeps undecodable argv bytes as lone surrogates; the tokenizer would raise
-    # on them deep inside, so name them here
-    if text is None:
-        return
-    try:
-        text.encode("utf-8")
-    except UnicodeEncodeError as e:
-        raise ValueError(f"{what} is not valid UTF-8 text (character {e.start}: "
-                         f"{text[e.start]!r})") from None
-
-
 def device(name: str) -> torch.device:
     """--device as torch understands it, on a device that exists here and can hold weights."""
     try:
         d = torch.device(name)
     except (RuntimeError, ValueError) as e:
         raise ValueError(f"--device {name!r}: not a device ({str(e).splitlines()[0]})") from None
-    if d.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"--device {name}: CUDA is not available here")
-        if d.index is not None and d.index >= torch.cuda.device_count():
-            raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
-    elif d.type != "cpu":   # meta holds no data; others are untested here
+    if d.type not in ("cpu", "cuda"):   # meta holds no data; others are untested here
         raise ValueError(f"--device {name!r}: only cpu and cuda[:N] run the engine")
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"--device {name}: CUDA is not available here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
     return d
 
 
-def read_prompt(args, most: int) -> str:
-    """--prompt, or stdin read to its end but never past `most` bytes (`yes |` never ends)."""
-    if args.prompt is not None:
-        return args.prompt
+def read_stdin(most: int) -> str:
+    """stdin read to its end but never past `most` bytes (`yes |` never ends)."""
     if sys.stdin is None:
         raise ValueError("no --prompt, and stdin is closed")
-    stream = sys.stdin.buffer if hasattr(sys.stdin, "buffer") else sys.stdin
-    data = stream.read(most + 1)
-    data = data if isinstance(data, bytes) else data.encode()
+    data = getattr(sys.stdin, "buffer", sys.stdin).read(most + 1)
+    data = data if isinstance(data, bytes) else data.encode()   # a text stream without .buffer
     if len(data) > most:
         raise ValueError(f"stdin holds more than {most:,} bytes, more text than the model's context can hold")
     try:  # decoded here, strictly: the locale's decoder may keep bad bytes as surrogates
@@ -272,27 +264,17 @@ def read_prompt(args, most: int) -> str:
                          f"at offset {e.start})") from None
 
 
-def bound_knobs(args, room: int, context: int) -> None:
+def bound_knobs(args, context: int) -> None:
     """Clamp lookahead's and the drafts' sizes to what the token budget can use, said once on
-    stderr; refuse a step wider than the model's context. `room`: tokens that can still be
-    generated, min(--max-new-tokens, context - prompt).
-
-    A window column or a draft token past the budget can never be accepted, yet each costs
-    memory: --num-draft 10^9 would try to allocate a cache of 10^9 slots.
-    """
-    def clamp(name, top):
+    stderr; refuse a step wider than the model's context. A window column or a draft token past
+    the budget can never be accepted, yet each costs memory: --num-draft 10^9 would try to
+    allocate a cache of 10^9 slots."""
+    for name in ("window", "guesses", "num_draft", "lookup_tokens", "ngram"):
+        top = args.max_new_tokens + 1 if name == "ngram" else args.max_new_tokens   # x and N-1 tokens after it
         v = getattr(args, name)
-        if v is not None and v > top:
-            warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token "
-                 f"budget can use")
+        if name in DECODERS[args.decoder].knobs and v is not None and v > top:
+            warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token budget can use")
             setattr(args, name, top)
-
-    names = DECODERS[args.decoder].knobs
-    for name in ("window", "guesses", "num_draft", "lookup_tokens"):
-        if name in names:
-            clamp(name, room)
-    if "ngram" in names:
-        clamp("ngram", room + 1)       # x and N-1 tokens after it
     if args.decoder == "lookahead" and not DECODERS["lookahead"].adapts(knobs(args), args.adaptive):
         W = args.window if args.window is not None else args.guesses if args.guesses is not None else 5
         N, G = args.ngram or 4, args.guesses if args.guesses is not None else W
@@ -304,11 +286,11 @@ def bound_knobs(args, room: int, context: int) -> None:
 
 def run(args) -> dict:
     check_flags(args)
-    sampler = Sampler(args.temperature, args.top_k, args.top_p)
-    rng = Random(args.seed)
+    sampler, rng = Sampler(args.temperature, args.top_k, args.top_p), Random(args.seed)
     ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
     if not Path(ckpt).is_dir():
-        raise ValueError(f"checkpoint {ckpt} is not a directory (convert a GGUF with `python -m tools.convert convert`)")
+        raise ValueError(f"checkpoint {ckpt} is not a directory "
+                         "(convert a GGUF with `python -m tools.convert convert`)")
     config = load_config(ckpt)                  # validated before any weight is read
     context = config.max_seq_len
     tok = Tokenizer.load(ckpt)
@@ -316,7 +298,7 @@ def run(args) -> dict:
         raise ValueError(f"{Path(ckpt) / 'config.json'}: vocab_size {config.vocab_size} is smaller "
                          f"than the tokenizer's {tok.vocab_size} ids")
     # a text of more than context x the longest token's characters cannot fit; 4 bytes a character
-    text = read_prompt(args, 4 * tok.max_text_chars)
+    text = args.prompt if args.prompt is not None else read_stdin(4 * tok.max_text_chars)
     if not text.strip():
         raise ValueError("the prompt is empty")
     if args.raw or not tok.chat_template:   # --raw: control tokens on purpose; see --help
@@ -327,17 +309,17 @@ def run(args) -> dict:
         raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
                          f" exceeds the model's context ({context}"
                          + (", capped at its sliding window)" if config.sliding_window else ")"))
-    bound_knobs(args, args.max_new_tokens, context)
+    bound_knobs(args, context)
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
     second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
-    d, given, policy = DECODERS[args.decoder], knobs(args), None
+    d, given = DECODERS[args.decoder], knobs(args)
     if d.adapts(given, args.adaptive):   # priced by this machine's costs; a note says where they went
         second, price_list = prices(args, model, second, notes)
-        policy = d.policy(model, *second, price_list, given)
+        given = {**given, "policy": d.policy(model, *second, price_list, given)}
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=args.trace,
-                     max_new_tokens=args.max_new_tokens, **given, **({"policy": policy} if policy else {}))
+                     max_new_tokens=args.max_new_tokens, **given)
     if args.trace:
         steps = traced(steps, Tracer(tok.decode))
     # a stop string that the newest token completes lies in the text of the last m tokens
@@ -378,13 +360,14 @@ def run(args) -> dict:
 
 def second_model(args, second: tuple) -> dict:
     """What the second model is ("draft": "int4", "layers:20", a path) and the memory it adds."""
-    d = DECODERS[args.decoder].second
-    if d is None:
+    flag = DECODERS[args.decoder].second
+    if flag is None:
         return {}
-    m = second[0]
-    name = f"layers:{m.layers if isinstance(m, SelfDraft) else m}" if not isinstance(m, torch.nn.Module) \
-        else "int4" if getattr(args, d) in ("int4", "auto") else getattr(args, d)
-    return {d: name, f"{d}_mb": 0.0 if name.startswith("layers:") else round(resident_bytes(m) / 2**20, 1)}
+    m, spec = second[0], getattr(args, flag)
+    if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
+        return {flag: f"layers:{m.layers if isinstance(m, SelfDraft) else m}", f"{flag}_mb": 0.0}
+    name = "int4" if spec in ("int4", "auto") else spec
+    return {flag: name, f"{flag}_mb": round(resident_bytes(m) / 2**20, 1)}
 
 
 def before_stop(text: str, stops: list[str], final: bool = True) -> str:
@@ -407,11 +390,9 @@ def peak_rss_mb(reset: bool = False) -> float:
         peak = int(next(l for l in status.splitlines() if l.startswith("VmHWM:")).split()[1]) / 1024
     except (OSError, StopIteration):
         return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # kB -> MB
-    if reset:
-        try:
-            Path("/proc/self/clear_refs").write_text("5")   # "5" resets VmHWM to VmRSS (Linux >= 4.0)
-        except OSError:
-            pass                                            # then the next peak includes this one
+    if reset:   # "5" resets VmHWM to VmRSS (Linux >= 4.0); without it the next peak includes this one
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
     return peak
 
 
@@ -453,10 +434,8 @@ def main(argv: list[str] | None = None) -> int:
 def warn(line: str) -> None:
     """One line on stderr, if stderr can take it: a full or broken stderr (2>/dev/full) must
     not turn a finished answer into a traceback. (--trace's writes are not this: they fail.)"""
-    try:
+    with contextlib.suppress(OSError, ValueError):
         print(line, file=sys.stderr, flush=True)
-    except (OSError, ValueError):
-        pass
 
 
 def stats_line(r: dict) -> str:
@@ -484,15 +463,11 @@ def quiet_stdout() -> None:
     subtle: Python flushes sys.stdout at exit, and a failing flush there prints "Exception
     ignored ... BrokenPipeError" and exits 120; pointing fd 1 at /dev/null ends that.
     """
-    try:
+    with contextlib.suppress(OSError, ValueError):
         sys.stdout.flush()
-    except (OSError, ValueError):
-        pass
-    try:
+    with contextlib.suppress(OSError, ValueError):
         if sys.stdout is sys.__stdout__:   # only the real stdout (not a test's capture)
             os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
-    except (OSError, ValueError):
-        pass
 
 
 if __name__ == "__main__":

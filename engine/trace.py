@@ -60,53 +60,48 @@ class Tracer:
         return " ".join(repr(self.decode([t])) for t in ids)
 
     def lines(self, n: int, t: dict) -> list[str]:
-        head = f"#{n} @{t['position']} {t['kind']}"
-        return getattr(self, t["kind"])(head, t)
+        return getattr(self, t["kind"])(f"#{n} @{t['position']} {t['kind']}", t)
 
     def plain(self, head, t):
-        if t.get("greedy"):   # the law is one-hot: show how sure the model was instead
-            return [f"{head}  {self.show([t['token']])}  argmax, model's p={t['p_model']:.3f}"]
-        return [f"{head}  {self.show([t['token']])}  p={t['p']:.3f}"]
+        # greedy: the law is one-hot, so show how sure the model was instead
+        p = f"argmax, model's p={t['p_model']:.3f}" if t.get("greedy") else f"p={t['p']:.3f}"
+        return [f"{head}  {self.show([t['token']])}  {p}"]
 
     def lookahead(self, head, t):
         W, N, x, P = len(t["levels"][0]) if t["levels"] else 0, t["N"], t["x"], t["position"] - 1
-        arm, G = t["arm"], len(t["grams"])
+        arm, then = t["arm"], self.show([t["next"]])
         how = (f"W={W} N={N}" if not arm else "arm plain (one row)" if arm == "plain" else
                f"arm copy ({len(t['grams'][0])} tokens, priced)" if arm == "copy" else f"arm {arm}")
         out = [f"{head} {how}  x={self.show([x])} @{P}"
                + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]
         for l, level in enumerate(t["levels"] if W else []):   # level l, column k: position P + l + k
-            cells = [x if l == 0 and k == 0 else tok for k, tok in enumerate(level)]
+            cells = [x, *level[1:]] if l == 0 else level
             out.append(f"  window level {l} @{P + l}..{P + l + W - 1}: {self.show(cells)}"
                        + ("  (column 0 is x)" if l == 0 else ""))
         if "minted" in t:
-            out.append(f"  window minted  @{P + N - 1}..{P + N + W - 2}: {self.show(t['minted'])}  (argmax of each column)")
+            out.append(f"  window minted  @{P + N - 1}..{P + N + W - 2}: {self.show(t['minted'])}"
+                       "  (argmax of each column)")
         if t["parent"] != self.mask:
             self.mask = t["parent"]
             out += self.picture(t["parent"], P, 1 + (N - 1) * W - (W > 0))
-        for g, gram in enumerate(t["grams"]):
-            out.append(f"  guess {g}: {self.show(gram)}")
-        if t["accepted"]:
-            out.append(f"  accepted {t['accepted']} of guess {t['best']}, then {self.show([t['next']])}")
-        else:
-            out.append(f"  {'no guess matched; ' if G else 'no guesses; '}the target's {self.show([t['next']])}")
+        out += [f"  guess {g}: {self.show(gram)}" for g, gram in enumerate(t["grams"])]
+        out.append(f"  accepted {t['accepted']} of guess {t['best']}, then {then}" if t["accepted"] else
+                   f"  {'no guess matched; ' if t['grams'] else 'no guesses; '}the target's {then}")
         return out + [f"  emitted {self.show(claimed(t))}"]
 
     def picture(self, parent: list[int], P: int, window: int) -> list[str]:
         """The step's tree mask (lookahead.tree_mask), drawn when its shape changes; rows
         [0, window) are x and the window (level l, column k = row l*W + k), the rest the trie."""
-        seen = []
-        for i in range(len(parent)):             # row i sees itself and its ancestors
+        n = len(parent)
+        rows = f"x and the window 0..{window - 1}" if window > 1 else "x"
+        trie = f", the guesses' trie {window}..{n - 1}" if n > window else ""
+        out = [f"  mask, shape changed: {n} rows ({rows}{trie}); row i sees row j = x"]
+        for i in range(n):                       # row i sees itself and its ancestors
             row, j = {i}, parent[i]
             while j >= 0:
                 row.add(j)
                 j = parent[j]
-            seen.append(row)
-        rows = f"x and the window 0..{window - 1}" if window > 1 else "x"
-        trie = f", the guesses' trie {window}..{len(parent) - 1}" if len(parent) > window else ""
-        out = [f"  mask, shape changed: {len(parent)} rows ({rows}{trie}); row i sees row j = x"]
-        for i, row in enumerate(seen):
-            out.append(f"    {i:3d} @{P + len(row) - 1:<5d} " + "".join("x" if j in row else "." for j in range(len(parent))))
+            out.append(f"    {i:3d} @{P + len(row) - 1:<5d} " + "".join("x" if j in row else "." for j in range(n)))
         return out
 
     def lookup(self, head, t):
@@ -122,8 +117,7 @@ class Tracer:
         out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}"
                + ("  (K = 0: a plain step)" if t["k"] == 0 else "")]
         out += self.drafts(t["drafts"], rule, t.get("greedy", False))
-        out += [self.last(t), f"  emitted {self.show(claimed(t))}"]
-        return out
+        return out + [self.last(t), f"  emitted {self.show(claimed(t))}"]
 
     def contrastive(self, head, t):
         rows = [f"expert argmax {self.show([t['expert'][i]])}  contrastive argmax {self.show([t['best'][i]])}"
@@ -134,18 +128,18 @@ class Tracer:
         return out + [self.last(t)] + [f"  @{t['position'] + i} {r}" for i, r in enumerate(rows)]
 
     def drafts(self, drafts: list[dict], rule: str, greedy: bool = False) -> list[str]:
+        if greedy:   # one-hot laws: p/q is 1 or 0; the models' own probabilities say more
+            rule = "(the target's argmax is x)"
         out = []
         for d in drafts:
-            if d["verdict"] == "unverified":
-                out.append(f"  draft {self.show([d['token']])}  not verified (an earlier draft was rejected)")
-            elif greedy:   # one-hot laws: p/q is 1 or 0; the models' own probabilities say more
-                why = "(the target's argmax is x)" if d["verdict"] == "accept" else "(the target's argmax is not x)"
-                out.append(f"  draft {self.show([d['token']])}  models' p={d['p_model']:.3f} "
-                           f"q={d['q_model']:.3f}  {d['verdict']}  {why}")
-            else:
-                why = rule if d["verdict"] == "accept" else rule.replace("<", ">=").replace(" is ", " is not ")
-                out.append(f"  draft {self.show([d['token']])}  p={d['p']:.3f} q={d['q']:.3f} "
-                           f"u={d['u']:.3f}  {d['verdict']}  {why}")
+            x, verdict = self.show([d["token"]]), d["verdict"]
+            if verdict == "unverified":
+                out.append(f"  draft {x}  not verified (an earlier draft was rejected)")
+                continue
+            laws = f"models' p={d['p_model']:.3f} q={d['q_model']:.3f}" if greedy else \
+                f"p={d['p']:.3f} q={d['q']:.3f} u={d['u']:.3f}"
+            why = rule if verdict == "accept" else rule.replace("<", ">=").replace(" is ", " is not ")
+            out.append(f"  draft {x}  {laws}  {verdict}  {why}")
         return out
 
     def last(self, t: dict) -> str:

@@ -18,12 +18,10 @@ from engine.kvcache import check_fits
 from engine.llama import Llama, LlamaConfig, RopeScaling
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-instruct"
-DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16,
-          "float64": torch.float64}
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # HF checkpoint name -> our parameter name; {i} is the layer index. Names that share a
-# parameter are stacked by rows in this order (q, k, v -> wqkv; gate, up -> w13). The biases
-# are there for attention_bias and mlp_bias.
+# parameter are stacked by rows in this order (q, k, v -> wqkv; gate, up -> w13).
 LINEAR = {"self_attn.q_proj": "attention.wqkv", "self_attn.k_proj": "attention.wqkv",
           "self_attn.v_proj": "attention.wqkv", "self_attn.o_proj": "attention.wo",
           "mlp.gate_proj": "feed_forward.w13", "mlp.up_proj": "feed_forward.w13",
@@ -66,10 +64,9 @@ def config_from_hf(d: dict) -> LlamaConfig:
     """From the dict of an HF `config.json` (LlamaForCausalLM or MistralForCausalLM); a wrong
     value is a ValueError naming its field. null counts as absent for the optional fields.
 
-    Mistral is Llama plus a sliding window: key j is visible to query i iff i - j < window, which
-    below the window is causal attention. So a smaller window caps the usable context
-    (max_seq_len) at it: a longer run is refused like any other, never silently wrong, and
-    sliding_window stays in the config so the message can say why.
+    Mistral is Llama plus a sliding window (key j is visible to query i iff i - j < window),
+    which below the window is causal attention: so a smaller window caps max_seq_len, a longer
+    run is refused like any other, and sliding_window stays in the config to say why.
     """
     if not isinstance(d, dict):
         raise ValueError(f"expected a JSON object, got {type(d).__name__}")
@@ -149,8 +146,7 @@ def rope_from_hf(d: dict, head_dim: int, context: int) -> tuple[float, RopeScali
     if not isinstance(kind, str) or kind not in ROPE_KEYS:   # subtle: a list is unhashable
         raise ValueError(f"rope_type {kind!r} is not supported (only {', '.join(ROPE_KEYS)})")
     if val.pop("partial_rotary_factor", 1.0) != 1.0:
-        raise ValueError(f"partial_rotary_factor {seen['partial_rotary_factor'][1]!r} is not supported "
-                         "(only 1.0)")
+        raise ValueError(f"partial_rotary_factor {seen['partial_rotary_factor'][1]!r} is not supported (only 1.0)")
     for k in sorted(set(val) - ROPE_KEYS[kind] - {"rope_theta"}):
         raise ValueError(f"{seen[k][0]} ({val[k]!r}) is not read by rope_type {kind!r}; refusing it "
                          "rather than ignoring it")
@@ -172,10 +168,10 @@ def rope_from_hf(d: dict, head_dim: int, context: int) -> tuple[float, RopeScali
     if kind == "dynamic" and head_dim <= 2:       # theta' has the exponent D / (D - 2)
         raise ValueError(f"rope_type 'dynamic' needs head_dim > 2, got {head_dim}")
     if kind == "llama3":
-        s = RopeScaling(kind, s.factor, real("low_freq_factor"), real("high_freq_factor"), n0)
-        if not s.low_freq_factor < s.high_freq_factor:   # a = (n0 / w - low) / (high - low)
-            raise ValueError(f"llama3 RoPE needs low_freq_factor < high_freq_factor, got "
-                             f"{s.low_freq_factor} and {s.high_freq_factor}")
+        low, high = real("low_freq_factor"), real("high_freq_factor")
+        if not low < high:   # a = (n0 / w - low) / (high - low)
+            raise ValueError(f"llama3 RoPE needs low_freq_factor < high_freq_factor, got {low} and {high}")
+        s = RopeScaling(kind, s.factor, low, high, n0)
     return theta, s
 
 
@@ -196,8 +192,7 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
 
 
 def read_json(path: Path) -> dict:
-    """A checkpoint's JSON object from `path`, {} if the file is missing; any other shape,
-    bad bytes or bad JSON is a ValueError naming the file."""
+    """The JSON object in `path`, {} if the file is missing; anything else is a ValueError naming it."""
     if not path.is_file():
         return {}
     try:
@@ -229,8 +224,8 @@ def check_plausible(ckpt_dir: Path, config: LlamaConfig, tensors: dict, device, 
     if embed is not None and embed != (config.vocab_size, config.dim):
         raise ValueError(f"{ckpt_dir / 'config.json'}: vocab_size x hidden_size is "
                          f"{config.vocab_size} x {config.dim}, but model.embed_tokens.weight has shape {embed}")
-    # a lower bound (the loaded model alone): refuse only what cannot possibly fit
-    check_fits(parameter_count(config) * dtype.itemsize, f"{ckpt_dir}: {parameter_count(config):,} parameters", device)
+    n = parameter_count(config)   # a lower bound (the loaded model alone): refuse only what cannot possibly fit
+    check_fits(n * dtype.itemsize, f"{ckpt_dir}: {n:,} parameters", device)
 
 
 def read_tensors(ckpt_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:

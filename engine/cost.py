@@ -3,15 +3,15 @@
     cost(k rows) / cost(1 row)       a k-row forward of this model: `calibrated(model)`
     t(draft row) / t(target row)     a draft token: `draft_price(target, draft)`
 
-Each is measured on first use (about 2 s), kept in ~/.cache/engine/ under a key naming the
-CPU, dispatch, threads, torch, dtype, kernels and model, and read back by every later run, so
-the prices fit the machine yet never move between runs: the same command, seed and machine
-print the same tokens on every path, the inexact ones (bf16, int4) included. A table can also
-be given (`load_table`: `python -m tools.bench --forward-cost`'s JSON). Without one, the
-policy falls back to fixed slopes by matmul kind and CPU dispatch (policy.SLOPE).
+Each is measured on first use (a few seconds), kept in ~/.cache/engine/ and read back by every
+later run, so the prices fit the machine yet never move between runs: the same command, seed
+and machine print the same tokens on every path, the inexact ones (bf16, int4) included. A
+table can also be given (`load_table`: `python -m tools.bench --forward-cost`'s JSON); without
+one, the policy falls back to fixed slopes by matmul kind and CPU dispatch (policy.SLOPE).
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import json
 import math
@@ -36,8 +36,22 @@ def load_table(path: str | Path) -> dict[int, float]:
 
 
 def read_json(path: str | Path):
+    """A regular file's JSON, read to at most MAX_TABLE_BYTES: a FIFO nobody writes, /dev/zero, a
+    file that keeps growing or bad JSON is one error, not a hang or a full memory."""
     try:
-        return json.loads(read_small(Path(path)))
+        file = Path(path)
+        if str(file) in ("", "."):
+            raise OSError("an empty path names no file")
+        # subtle: O_NONBLOCK so that opening a FIFO returns at once (fstat then refuses it)
+        fd = os.open(file, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise OSError("not a regular file")
+        with os.fdopen(fd, "rb") as f:
+            data = f.read(MAX_TABLE_BYTES + 1)
+        if len(data) > MAX_TABLE_BYTES:
+            raise OSError(f"larger than {MAX_TABLE_BYTES:,} bytes")
+        return json.loads(data)
     except (OSError, ValueError, RecursionError) as e:   # RecursionError: deeply nested JSON
         raise ValueError(f"{path}: not a forward-cost JSON from tools.bench ({str(e)[:200]})") from None
 
@@ -55,52 +69,40 @@ def table_from(d, path: str | Path) -> dict[int, float]:
     return table
 
 
-def read_small(path: Path) -> bytes:
-    """A regular file's bytes, at most MAX_TABLE_BYTES: a FIFO nobody writes, /dev/zero or a
-    file that keeps growing is one error, not a hang or a full memory."""
-    if str(path) in ("", "."):
-        raise OSError("an empty path names no file")
-    # subtle: O_NONBLOCK so that opening a FIFO returns at once (fstat then refuses it)
-    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
-    try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise OSError("not a regular file")
-        with os.fdopen(fd, "rb", closefd=False) as f:
-            data = f.read(MAX_TABLE_BYTES + 1)
-    finally:
-        os.close(fd)
-    if len(data) > MAX_TABLE_BYTES:
-        raise OSError(f"larger than {MAX_TABLE_BYTES:,} bytes")
-    return data
-
-
 # --------------------------------------------------------------------------- this machine's table
 
-def measure(model: Llama, ks=(1, 2, 4, 8, 16, 32), context: int = 100, repeats: int = 3) -> dict[int, float]:
+# row counts measured, interpolated between: torch's int4 kernel costs steps of four rows (5
+# rows as much as 8: docs/speed.md, run 11), so both ends of each step are measured up to 16
+ROW_COUNTS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 24, 32)
+
+
+def measure(model: Llama, ks=ROW_COUNTS, context: int = 100, repeats: int = 3) -> dict[int, float]:
     """cost(k)/cost(1) on this machine: the fastest of `repeats` k-row forwards after a cache of
     `context` tokens (the fastest, because a busy spell only ever adds time)."""
-    device = model.tok_embeddings.weight.device
     cache = KVCache.for_model(model, context + max(ks))
-    model(torch.zeros(1, context, dtype=torch.long, device=device), torch.arange(context, device=device), cache)
+    forward_seconds(model, cache, 0, context)
     best = {}
     for k in [1, *ks] * repeats:                       # the first k = 1 warms the kernels up
-        t0 = time.perf_counter()
-        model(torch.zeros(1, k, dtype=torch.long, device=device),
-              torch.arange(context, context + k, device=device), cache)
-        if device.type == "cuda":
-            torch.cuda.synchronize()
-        best[k] = min(best.get(k, math.inf), time.perf_counter() - t0)
+        best[k] = min(best.get(k, math.inf), forward_seconds(model, cache, context, k))
         cache.truncate(context)
     return {k: max(best[k] / best[1], 1.0) for k in ks}
 
 
+def forward_seconds(model: Llama, cache: KVCache, start: int, k: int) -> float:
+    device = model.tok_embeddings.weight.device
+    t0 = time.perf_counter()
+    model(torch.zeros(1, k, dtype=torch.long, device=device), torch.arange(start, start + k, device=device), cache)
+    if device.type == "cuda":
+        torch.cuda.synchronize()
+    return time.perf_counter() - t0
+
+
 def calibrated(model: Llama, folder: Path | None = None,
                notify: Callable[[str], None] | None = None) -> dict[int, float]:
-    """This machine's table for this model: measured on first use, then read back, so every
-    later run (and the first one) prices its choices alike and prints the same tokens."""
+    """This machine's table for this model, measured on first use and read back after (`kept`)."""
     def table() -> dict:
         return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in measure(model).items()}}}
-    data, path = kept(model_key(model), table, folder, notify)
+    data, path = kept(f"{model_key(model)}|{ROW_COUNTS}", table, folder, notify)   # a new ROW_COUNTS measures anew
     return table_from(data, path)
 
 
@@ -118,38 +120,29 @@ def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
 def measure_draft(target: Llama, draft: Llama, context: int = 100, repeats: int = 5) -> float:
     """t(draft, 1 row) / t(target, 1 row), each the fastest of `repeats` forwards, interleaved
     so that a busy spell weighs on both alike."""
-    best = {}
+    t = d = math.inf
     for _ in range(repeats):
-        for name, m in (("t", target), ("d", draft)):
-            best[name] = min(best.get(name, math.inf), one_row_seconds(m, context))
-    return min(max(best["d"] / best["t"], 0.01), 100.0)
+        t, d = min(t, one_row_seconds(target, context)), min(d, one_row_seconds(draft, context))
+    return min(max(d / t, 0.01), 100.0)
 
 
 def one_row_seconds(model: Llama, context: int) -> float:
-    device = model.tok_embeddings.weight.device
     cache = KVCache.for_model(model, context + 1)
-    model(torch.zeros(1, context, dtype=torch.long, device=device), torch.arange(context, device=device), cache)
-    t0 = time.perf_counter()
-    model(torch.zeros(1, 1, dtype=torch.long, device=device), torch.tensor([context], device=device), cache)
-    if device.type == "cuda":
-        torch.cuda.synchronize()
-    return time.perf_counter() - t0
+    forward_seconds(model, cache, 0, context)
+    return forward_seconds(model, cache, context, 1)
 
 
 def model_key(model: Llama) -> str:
-    """What a measured price depends on: CPU, kernel dispatch, threads, torch, device, dtype,
-    matmul and attention kernels, and model shape."""
-    w = model.tok_embeddings.weight
+    """What a measured price depends on: the machine, torch, dtype, kernels and model shape."""
+    w, layer = model.tok_embeddings.weight, model.layers[0]
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                              torch.__version__, w.device, w.dtype,
-                              type(model.layers[0].feed_forward.w13).__name__,
-                              model.layers[0].attention.attend.__name__, model.config)))
+                              torch.__version__, w.device, w.dtype, type(layer.feed_forward.w13).__name__,
+                              layer.attention.attend.__name__, model.config)))
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,
          notify: Callable[[str], None] | None) -> tuple[dict, Path]:
-    """(measure()'s JSON object, where it is kept): measured once per key on this machine, then
-    read back by every later run.
+    """(measure()'s JSON object, where it is kept): measured once per key, then read back.
 
     Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), named by a hash of the key; the first
     writer wins a race, and every process uses the file as written. Delete it to measure
@@ -157,20 +150,18 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     """
     folder = folder or cache_home() / "engine"
     path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if not path.is_file():                             # ~2 s, once per machine and model
+    if not path.is_file():                             # seconds, once per machine and model
         data = json.dumps({"key": key, **measure()}).encode()
         try:
             folder.mkdir(parents=True, exist_ok=True)
             tmp = path.with_name(f".{path.name}.{os.getpid()}")
             tmp.write_bytes(data)
-            try:
+            with contextlib.suppress(FileExistsError):
                 os.link(tmp, path)                     # subtle: fails if another process won
                 if notify:
                     # subtle: a busy spell makes every k-row forward look dear, for good
                     notify(f"measured this machine's forward costs into {path}; every later "
                            "run reads them back (delete it to measure again, on an idle machine)")
-            except FileExistsError:
-                pass
             tmp.unlink()
         except OSError:                                # a read-only home: measured, not kept
             return json.loads(data), path
@@ -185,10 +176,8 @@ def cache_home() -> Path:
 
 
 def cpu_name() -> str:
-    try:
+    with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
             if line.startswith("model name"):
                 return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
     return platform.processor() or platform.machine()

@@ -7,6 +7,7 @@
         print(text, end="", flush=True)
     print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
 
+`Engine.load(path, int4=True, batch_invariant=True)` is the CLI's exact 4-bit path (`build`).
 `decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
 `adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced by fixed
@@ -24,11 +25,24 @@ import torch
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
 from engine.llama import Llama
-from engine.packed import prepack
+from engine.packed import prepack, quantize_int4
 from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import default_checkpoint, load_model
+
+
+def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu", int4: bool = False,
+          packed: bool = True, batch_invariant: bool = False) -> Llama:
+    """The model as the CLI loads it: on `device` (cpu, cuda[:N]) in `dtype`; int4: --int4, the
+    layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
+    the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU only),
+    every decoder's tokens plain's bit for bit (fp32, bf16, int4)."""
+    if int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
+        model = quantize_int4(load_model(checkpoint, device, torch.float32))
+    else:
+        model = load_model(checkpoint, device, dtype)
+    return prepack(model, batch_invariant) if packed else model
 
 
 @dataclass
@@ -39,13 +53,11 @@ class Engine:
 
     @classmethod
     def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             packed: bool = True, batch_invariant: bool = False) -> Engine:
-        """A checkpoint directory (default: `make weights`' model) on `device` (cpu, cuda[:N]);
-        packed: the oneDNN matmuls the CLI uses on a CPU unless --no-prepack; batch_invariant:
-        --batch-invariant (CPU only), every decoder's tokens plain's bit for bit (fp32, bf16)."""
+             int4: bool = False, packed: bool = True, batch_invariant: bool = False) -> Engine:
+        """A checkpoint directory (default: `make weights`' model) loaded as `build` does."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
-        model = load_model(ckpt, device, dtype)
-        return cls(prepack(model, batch_invariant) if packed else model, Tokenizer.load(ckpt))
+        return cls(build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed,
+                         batch_invariant=batch_invariant), Tokenizer.load(ckpt))
 
     def ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):

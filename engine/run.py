@@ -28,16 +28,17 @@ from pathlib import Path
 
 import torch
 
+from engine.api import build
 from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, generate
-from engine.packed import CPU_ONLY, invariant_attention, prepack, quantize_int4, rows_round_alike
+from engine.packed import CPU_ONLY, invariant_attention, rows_round_alike
 from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.trace import Tracer, traced
-from engine.weights import DTYPES, default_checkpoint, load_config, load_model
+from engine.weights import DTYPES, default_checkpoint, load_config
 SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
 
@@ -196,11 +197,8 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
 
 
 def load(ckpt, args):
-    if args.int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
-        model = quantize_int4(load_model(ckpt, args.device, torch.float32))
-    else:
-        model = load_model(ckpt, args.device, DTYPES[args.dtype])
-    return model if args.no_prepack else prepack(model, batch_invariant=args.batch_invariant)
+    return build(ckpt, dtype=DTYPES[args.dtype], device=args.device, int4=args.int4,
+                 packed=not args.no_prepack, batch_invariant=args.batch_invariant)
 
 
 def check_flags(args) -> None:

@@ -58,6 +58,22 @@ def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
         assert list(llm.tokens("the the the", decoder=decoder, max_new_tokens=16, adaptive=False, **kw)) == want
 
 
+def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
+    # Why: Engine.load(int4=True) is the API's --int4 --dtype bfloat16: the same 4-bit layers,
+    # so one prompt gives the CLI's tokens; with batch_invariant, every decoder gives its plain's
+    from engine.packed import Int4Linear
+    argv = ["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "12", "--int4",
+            "--dtype", "bfloat16", "--json"]
+    assert main(argv) == 0
+    cli = json.loads(capsys.readouterr().out)
+    llm = Engine.load(ckpt, int4=True)
+    assert isinstance(llm.model.layers[0].feed_forward.w13, Int4Linear)
+    assert list(llm.tokens("the the", max_new_tokens=12)) == cli["tokens"]
+    exact = Engine.load(ckpt, int4=True, batch_invariant=True)
+    want = list(exact.tokens("the the the", max_new_tokens=16))
+    assert list(exact.tokens("the the the", decoder="lookahead", max_new_tokens=16, adaptive=False)) == want
+
+
 def test_the_device_is_where_the_weights_go_and_batch_invariant_stays_on_the_cpu(ckpt):
     # Why: Engine.load(device=) is the API's --device (docs/cuda.md: an H200 ran every decoder);
     # meta stands in for CUDA here: the weights go there, unpacked, and the CPU-only

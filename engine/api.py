@@ -38,11 +38,25 @@ def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
     the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU only),
     every decoder's tokens plain's bit for bit (fp32, bf16, int4)."""
+    device = check_device(device)
     if int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
         model = quantize_int4(load_model(checkpoint, device, torch.float32))
     else:
         model = load_model(checkpoint, device, dtype)
     return prepack(model, batch_invariant) if packed else model
+
+
+def check_device(name, what: str = "device") -> torch.device:
+    """`name` as torch understands it, on a device that exists here; else one ValueError."""
+    try:
+        d = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{what} {name!r}: not a device ({str(e).splitlines()[0]})") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} {name}: CUDA is not available here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"{what} {name}: there are {torch.cuda.device_count()} CUDA devices")
+    return d
 
 
 @dataclass

@@ -28,7 +28,7 @@ from pathlib import Path
 
 import torch
 
-from engine.api import build
+from engine.api import build, check_device
 from engine.cost import calibrated, draft_price, load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -234,16 +234,9 @@ def check_flags(args) -> None:
 
 def device(name: str) -> torch.device:
     """--device as torch understands it, on a device that exists here and can hold weights."""
-    try:
-        d = torch.device(name)
-    except (RuntimeError, ValueError) as e:
-        raise ValueError(f"--device {name!r}: not a device ({str(e).splitlines()[0]})") from None
+    d = check_device(name, "--device")
     if d.type not in ("cpu", "cuda"):   # meta holds no data; others are untested here
         raise ValueError(f"--device {name!r}: only cpu and cuda[:N] run the engine")
-    if d.type == "cuda" and not torch.cuda.is_available():
-        raise ValueError(f"--device {name}: CUDA is not available here")
-    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
-        raise ValueError(f"--device {name}: there are {torch.cuda.device_count()} CUDA devices")
     return d
 
 

@@ -84,6 +84,14 @@ def test_the_device_is_where_the_weights_go_and_batch_invariant_stays_on_the_cpu
         Engine.load(ckpt, device="meta", batch_invariant=True)
 
 
+@pytest.mark.parametrize("device, words", [("bogus", "not a device"), ("cuda:99", "CUDA"), (3.5, "not a device")])
+def test_a_device_that_is_not_here_is_one_value_error(ckpt, device, words):
+    # Why: the API's errors are ValueErrors, as the CLI's `error:` lines; torch would raise an
+    # AssertionError ("not compiled with CUDA") or a RuntimeError from deep inside the load
+    with pytest.raises(ValueError, match=words):
+        Engine.load(ckpt, device=device)
+
+
 def test_stream_pieces_join_to_the_text(ckpt):
     llm = Engine.load(ckpt)
     pieces = list(llm.stream([5, 6, 7], max_new_tokens=10, temperature=0.9, seed=4))

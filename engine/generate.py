@@ -34,21 +34,25 @@ class Step:
 
 @dataclass
 class Stats:
-    """What `generate()` counts, every field defined once and the same for every decoder.
+    """What `generate()` counts, every field defined once and the same for every decoder (the
+    CLI's stats line and its --help print these):
 
-    tokens           tokens emitted, after the cut at EOS, stop string or budget
-    target forwards  forwards of the target (expert) model, prefill included: one per step
-    draft forwards   forwards of the second model: speculative's draft (K a step), contrastive's
-                     amateur (K+1 a step); a layers:L one runs only layers < L and the head
-    tokens/forward   tokens / target forwards
-    drafted          tokens proposed and verified by the target: speculative's K drafts,
-                     lookahead's guess rows, lookup's copied tokens; 0 for plain and contrastive
-    accepted         accepted drafted tokens, counted after the cut as the step lengths are: a
-                     step emits its accepted drafts + 1 token, so tokens = steps + accepted
-    acceptance       accepted / drafted
-    hit rate         hits / verifying steps: a hit is a step that emitted more than one token
-                     (an accepted draft kept), a verifying step one that verified >= 1 draft
-    tokens per step  histogram "n x steps": "1x15 2x1" = 15 one-token steps, one of two
+    tokens            tokens emitted, after the cut at EOS, --stop or the budget
+    target forwards   forwards of the model that decides (contrastive: the expert), prefill
+                      included: one per step
+    draft forwards    forwards of the second model: speculative's draft (K a step),
+                      contrastive's amateur (K+1 a step); with layers:L only layers < L + head;
+                      then which model it is (--draft auto names its choice) and the memory
+                      it adds (an early exit shares the target's weights: none)
+    tok/forward       tokens / target forwards
+    acceptance        accepted / drafted. drafted: tokens the target verified, proposed by
+                      speculative's draft, lookahead's n-gram guesses (trie rows) or lookup's
+                      copy, contrastive --speculative's amateur drafts; accepted: those kept,
+                      counted after the cut (tokens = steps + accepted). Not shown when
+                      nothing was drafted (plain, contrastive without --speculative)
+    hit rate          hits / verify steps: steps that kept an accepted draft / steps that
+                      verified at least one (adaptive K = 0 steps verify none)
+    tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
     """
     n_tokens: int = 0
     n_forwards: int = 0

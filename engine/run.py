@@ -23,6 +23,7 @@ import contextlib
 import json
 import math
 import resource
+import textwrap
 import time
 from pathlib import Path
 
@@ -49,23 +50,9 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
-STATS_HELP = """the stats line (stderr; the same fields in --json):
-  tokens            tokens emitted, after the cut at EOS, --stop or the budget
-  target forwards   forwards of the model that decides (contrastive: the expert), prefill
-                    included: one per step
-  draft forwards    forwards of the second model: speculative's draft (K a step),
-                    contrastive's amateur (K+1 a step); with layers:L only layers < L + head;
-                    then which model it is (--draft auto names its choice) and the memory
-                    it adds (an early exit shares the target's weights: none)
-  tok/forward       tokens / target forwards
-  acceptance        accepted / drafted. drafted: tokens the target verified, proposed by
-                    speculative's draft, lookahead's n-gram guesses (trie rows) or lookup's
-                    copy, contrastive --speculative's amateur drafts; accepted: those kept,
-                    counted after the cut (tokens = steps + accepted). Not shown when
-                    nothing was drafted (plain, contrastive without --speculative)
-  hit rate          hits / verify steps: steps that kept an accepted draft / steps that
-                    verified at least one (adaptive K = 0 steps verify none)
-  tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
+# the fields as engine.generate.Stats defines them (one definition; none under python -OO)
+STATS_HELP = "the stats line (stderr; the same fields in --json):\n" + textwrap.indent(
+    textwrap.dedent((Stats.__doc__ or "").partition("\n\n")[2]).strip("\n"), "  ") + """
   --json keys: n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted, accepted,
   acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), and draft/draft_mb
   (speculative) or amateur/amateur_mb (contrastive)
@@ -76,7 +63,7 @@ argmax, the pick and |V_head|; lookup the match and what was accepted of it."""
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m engine.run", description=__doc__.splitlines()[0], epilog=STATS_HELP,
+    p = Parser(prog="python -m engine.run", description=__doc__ and __doc__.splitlines()[0], epilog=STATS_HELP,
                formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--decoder", default="plain", choices=DECODERS, help="decoding loop")
     p.add_argument("--prompt", help="the prompt (default: read stdin)")

@@ -35,7 +35,7 @@ from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import generate
 from engine.kvcache import KVCache
-from engine.packed import prepack, quantize_int4, rows_round_alike
+from engine.packed import rows_round_alike
 from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, at_most, out_dir, write_atomic
@@ -136,11 +136,11 @@ def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict
 
 
 def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
-    """As engine/run.py's load(): int4 from the fp32 weights (CPU only), else bf16 or fp32; then prepack."""
-    from engine.weights import load_model
-    model = (quantize_int4(load_model(checkpoint, "cpu", torch.float32)) if kind == "int4"
-             else load_model(checkpoint, device, torch.bfloat16 if kind == "bf16" else torch.float32))
-    return prepack(model, batch_invariant=batch_invariant)
+    """The model as the CLI loads it (engine.api.build): int4 from the fp32 weights (CPU only),
+    else bf16 or fp32."""
+    from engine.api import build
+    return build(checkpoint, dtype=torch.bfloat16 if kind == "bf16" else torch.float32, device=device,
+                 int4=kind == "int4", batch_invariant=batch_invariant)
 
 
 def cell(c: dict | None) -> str:

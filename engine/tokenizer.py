@@ -10,34 +10,20 @@ raw mode: special-token strings in `text` are parsed as the tokens (special=Fals
 parse them); the CLI's --raw uses it on purpose. Added tokens not marked special are ordinary
 vocabulary and match anywhere.
 
-Templates ship with downloaded weights, so they are untrusted code: rendered in jinja2's
-sandbox, with their work bounded (big powers and products refused, `range` counted, a
-wall-clock limit, the output capped by what the model's context could hold), and every
-failure is one ValueError line. No batching, no offsets, no tool-calling helpers.
+Templates ship with downloaded weights, so they are untrusted code: engine/template.py renders
+them in a bounded sandbox. No batching, no offsets, no tool-calling helpers.
 """
 from __future__ import annotations
 
-import functools
-import json
 import re
 import secrets
-import signal
-import threading
-import time
-from contextlib import contextmanager
 from pathlib import Path
 
-import jinja2
 import sentencepiece
-from jinja2.compiler import CodeGenerator
-from jinja2.sandbox import ImmutableSandboxedEnvironment
 from tokenizers import Tokenizer as HFTokenizer
 
+from engine.template import render
 from engine.weights import read_json
-
-RENDER_SECONDS = 2.0     # a chat template renders in milliseconds; seconds mean it loops
-MAX_INT_BITS = 4096      # integers a template may build; enough for any counter or id
-MAX_ITERATIONS = 10**6   # range() items per render, over all loops
 
 
 def token_ids(path: Path, d: dict, key: str, vocab_size: int) -> list[int]:
@@ -161,161 +147,12 @@ class Tokenizer:
         return [i for k, p in enumerate(parts) for i in self.encode(p, special=k % 2 == 0)]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat as text, rendered by the checkpoint's template under bounds (module doc)."""
+        """The chat as text, rendered by the checkpoint's template under bounds (engine/template.py)."""
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template")
-        env = BoundedEnvironment(self.max_text_chars)
-        out, size = [], 0
-        try:  # a syntax error, the template's raise_exception(), a bound, or its own bug
-            with alarm(RENDER_SECONDS):
-                template = env.from_string(self.chat_template)
-                for chunk in template.generate(messages=messages, add_generation_prompt=add_generation_prompt,
-                                               bos_token=self.bos_token or "", eos_token=self.eos_token or ""):
-                    size += len(chunk)
-                    env.check_size(size, "its output")
-                    env.tick()
-                    out.append(chunk)
-        except (jinja2.TemplateError, TemplateBound) as e:
-            raise ValueError(f"chat template: {one_line(e)}") from None
-        except RecursionError:
-            raise ValueError("chat template: recursion too deep") from None
-        except MemoryError:
-            raise ValueError("chat template: ran out of memory") from None
-        except Exception as e:  # the template's own bug (1/0, a method on None): untrusted code
-            raise ValueError(f"chat template failed: {type(e).__name__}: {one_line(e)}") from None
-        text = "".join(out)
-        if not text.strip():
-            raise ValueError("chat template rendered no text for these messages")
-        return text
-
-
-def one_line(e: BaseException) -> str:
-    text = " ".join(str(e).split())
-    return text if len(text) <= 300 else text[:300] + "..."
-
-
-class TemplateBound(Exception):
-    """A chat template went past a bound on its work, time or output."""
-
-
-@contextmanager
-def alarm(seconds: float):
-    """Raise TemplateBound in this thread after `seconds` of wall clock.
-
-    subtle: only the main thread receives signals; elsewhere the environment's tick() checks
-    the same deadline at every call, attribute, operator, range item and output chunk.
-    """
-    if not hasattr(signal, "setitimer") or threading.current_thread() is not threading.main_thread():
-        yield
-        return
-
-    def expired(signum, frame):
-        raise TemplateBound(f"took longer than {seconds:g} s")
-
-    old = signal.signal(signal.SIGALRM, expired)
-    signal.setitimer(signal.ITIMER_REAL, seconds)
-    try:
-        yield
-    finally:
-        signal.setitimer(signal.ITIMER_REAL, 0)
-        signal.signal(signal.SIGALRM, old)
-
-
-class BoundedCodeGenerator(CodeGenerator):
-    # `a ~ b` compiles to a plain join the sandbox never sees; send it through the environment,
-    # so that doubling a string in a loop is refused at the cap, not after gigabytes
-    def visit_Concat(self, node, frame):
-        self.write("environment.concat_bounded((")
-        for arg in node.nodes:
-            self.visit(arg, frame)
-            self.write(", ")
-        self.write("))")
-
-
-class BoundedEnvironment(ImmutableSandboxedEnvironment):
-    """jinja2's sandbox stops code execution, not work: this one also refuses the operations
-    that allocate or loop without bound before they run, and keeps a deadline."""
-    intercepted_binops = frozenset({"*", "**", "+", "%"})
-    code_generator_class = BoundedCodeGenerator
-
-    def __init__(self, max_chars: int):
-        # the settings HF chat templates are written for
-        super().__init__(trim_blocks=True, lstrip_blocks=True, extensions=["jinja2.ext.loopcontrols"])
-        self.deadline, self.max_chars, self.iterations = time.monotonic() + RENDER_SECONDS, max_chars, 0
-        self.globals["raise_exception"] = raise_exception
-        self.globals["range"] = self.counted_range
-        self.filters["tojson"] = lambda x, indent=None: json.dumps(x, ensure_ascii=False, indent=indent)
-        self.filters = {name: self.bounded(f) for name, f in self.filters.items()}
-
-    def tick(self):
-        if time.monotonic() > self.deadline:
-            raise TemplateBound(f"took longer than {RENDER_SECONDS:g} s")
-
-    def check_size(self, n, what):
-        if n > self.max_chars:
-            raise TemplateBound(f"{what} of {n:,} is past the {self.max_chars:,} characters the context can hold")
-
-    def check_ints(self, args, what):   # str.center(10**10), "%*s" % (10**10, x): widths past any output
-        self.tick()
-        for a in args:
-            if isinstance(a, int) and not isinstance(a, bool):
-                self.check_size(abs(a), what)
-
-    def bounded(self, f):   # filters are called directly, not through call(): check their widths too
-        @functools.wraps(f)   # keeps jinja's pass_context marks
-        def g(*args, **kwargs):
-            self.check_ints((*args, *kwargs.values()), "a filter's width or count argument")
-            return f(*args, **kwargs)
-        return g
-
-    def concat_bounded(self, parts) -> str:
-        self.tick()
-        parts = [str(p) for p in parts]
-        self.check_size(sum(map(len, parts)), "a joined string")
-        return "".join(parts)
-
-    def call_binop(self, context, operator, left, right):
-        self.tick()
-        ints = all(isinstance(x, int) for x in (left, right))
-        if operator == "**" and ints and right > 0 and abs(left) > 1 \
-                and right * abs(left).bit_length() > MAX_INT_BITS:
-            raise TemplateBound(f"{left} ** {right} has more than {MAX_INT_BITS} bits")
-        if operator == "*" and ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
-            raise TemplateBound(f"a product of more than {MAX_INT_BITS} bits")
-        if operator == "*":   # sequence * count
-            seq, n = (left, right) if isinstance(right, int) else (right, left)
-            if isinstance(n, int) and hasattr(seq, "__len__"):
-                self.check_size(len(seq) * max(n, 0), "a repeated sequence")
-        if operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
-            self.check_size(len(left) + len(right), "a concatenation")
-        if operator == "%" and isinstance(left, str):
-            self.check_ints(right if isinstance(right, tuple) else (right,), "a format width")
-        return super().call_binop(context, operator, left, right)
-
-    def call(self, __context, __obj, *args, **kwargs):
-        self.check_ints((*args, *kwargs.values()), "a width or count argument")
-        return super().call(__context, __obj, *args, **kwargs)
-
-    def getattr(self, obj, attribute):
-        self.tick()
-        return super().getattr(obj, attribute)
-
-    def getitem(self, obj, argument):
-        self.tick()
-        return super().getitem(obj, argument)
-
-    def counted_range(self, *args) -> range:
-        # subtle: the sandbox caps one range at 100,000 items, but nested loops multiply them;
-        # counting every range's items per render bounds the total
-        r = range(*args)
-        self.iterations += len(r)
-        if self.iterations > MAX_ITERATIONS:
-            raise TemplateBound(f"loops over more than {MAX_ITERATIONS:,} items")
-        return r
-
-
-def raise_exception(message):   # HF templates' way to refuse a chat
-    raise jinja2.TemplateError(message)
+        return render(self.chat_template, self.max_text_chars, messages=messages,
+                      add_generation_prompt=add_generation_prompt,
+                      bos_token=self.bos_token or "", eos_token=self.eos_token or "")
 
 
 class StreamDecoder:

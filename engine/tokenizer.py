@@ -23,7 +23,7 @@ import sentencepiece
 from tokenizers import Tokenizer as HFTokenizer
 
 from engine.template import render
-from engine.weights import read_json
+from engine.config import read_json
 
 
 def token_ids(path: Path, d: dict, key: str, vocab_size: int) -> list[int]:

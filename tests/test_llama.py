@@ -9,7 +9,7 @@ from conftest import tiny_llama
 from engine.draft import lower, upper
 from engine.kvcache import KVCache
 from engine.llama import apply_rope, causal_mask, rope
-from engine.weights import config_from_hf
+from engine.config import config_from_hf
 
 ATOL = 1e-10
 

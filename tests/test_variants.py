@@ -16,7 +16,7 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from conftest import run
-from engine import llama, weights
+from engine import config, llama, weights
 from engine.decoders import DECODERS
 from engine.generate import generate, plain
 from engine.kvcache import KVCache
@@ -25,7 +25,8 @@ from engine.packed import prepack, quantize_int4
 from engine.run import main
 from engine.sampling import Random, Sampler
 from engine.tokenizer import Tokenizer
-from engine.weights import load_config, load_model
+from engine.config import load_config
+from engine.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -203,10 +204,10 @@ def stack_qkv_biases_backwards(name):
     return parts[::-1] if name.endswith("wqkv.bias") else parts
 
 
-ORIGINAL = {"rope_from_hf": weights.rope_from_hf, "frequencies": llama.frequencies,
+ORIGINAL = {"rope_from_hf": config.rope_from_hf, "frequencies": llama.frequencies,
             "sources": weights.sources}
 MUTANTS = {   # name -> (module, function, fake, the variant it breaks)
-    "rope_parameters ignored": (weights, "rope_from_hf", ignore_rope_parameters, "llama3"),
+    "rope_parameters ignored": (config, "rope_from_hf", ignore_rope_parameters, "llama3"),
     "llama3 low/high swapped": (llama, "frequencies", swap_low_high, "llama3"),
     "linear multiplies by factor": (llama, "frequencies", scale_positions_up, "linear"),
     "q/k/v biases stacked backwards": (weights, "sources", stack_qkv_biases_backwards, "biases"),

@@ -577,7 +577,7 @@ def check_model(args: argparse.Namespace) -> None:
     long run, and --out last, so a missing or malformed checkpoint leaves nothing behind."""
     context = 8192                         # the random model's (SmolLM2-135M's) context
     if not args.random_weights:
-        from engine.weights import load_config
+        from engine.config import load_config
         context = load_config(args.checkpoint).max_seq_len
     # a k-row forward or a budget past the context is not a figure of this model
     if max(args.ks) > context or args.max_new_tokens > context:

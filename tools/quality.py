@@ -221,7 +221,8 @@ def main(argv: list[str] | None = None) -> int:
     at_most(p, args, {"seeds": 1000})   # each seed is a full pass over the sampled configs
     from tqdm import tqdm
     from engine.tokenizer import Tokenizer
-    from engine.weights import default_checkpoint, load_config, load_model
+    from engine.config import load_config
+    from engine.weights import default_checkpoint, load_model
     try:
         if args.checkpoint == "":
             raise ValueError("--checkpoint '' names no checkpoint")

@@ -150,3 +150,21 @@ def test_host_split_counts_every_forward_and_restores_the_model():
     for s in split.values():
         assert s["forward_ms"] > 0 and s["host_ms"] >= 0 and 0 <= s["host_share"] <= 1
     assert (Llama.blocks, Llama.head) == before
+
+
+TOOLS = ("bench", "split", "exact", "fidelity", "quality", "prove", "prove_hf", "scale", "convert")
+
+
+def test_every_tool_starts_with_docstrings_stripped():
+    # Why: the tools' --help descriptions come from their docstrings, which python -OO strips
+    # (None); each tool must still start there, as engine.run does (tests/test_cli.py)
+    import subprocess
+    import sys
+    code = ("import contextlib, importlib, io, sys\n"
+            f"for t in {TOOLS!r}:\n"
+            "    with contextlib.redirect_stdout(io.StringIO()), contextlib.suppress(SystemExit):\n"
+            "        importlib.import_module('tools.' + t).main(['--help'])\n"
+            "    print(t, 'ok')\n")
+    out = subprocess.run([sys.executable, "-OO", "-c", code], capture_output=True, text=True,
+                         cwd=Path(__file__).resolve().parent.parent, timeout=300)
+    assert out.returncode == 0 and out.stdout.split() == [w for t in TOOLS for w in (t, "ok")], out.stderr[-2000:]

@@ -38,7 +38,7 @@ from engine.packed import prepack, quantize_int4
 from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from engine.weights import DTYPES
-from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
 KS = (1, 2, 4, 8, 16, 32, 64)
@@ -499,7 +499,7 @@ def save(fig, path: Path) -> None:
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
     from engine.weights import DEFAULT_CHECKPOINT
-    p = Parser(prog="python -m tools.bench", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m tools.bench", description=first(__doc__))
     p.add_argument("--forward-cost", action="store_true",
                    help="ms of a k-token forward after a 100-token cache, k in 1..64")
     p.add_argument("--roof", action="store_true",

@@ -15,6 +15,12 @@ class Parser(argparse.ArgumentParser):
         self.exit(2, f"error: {message}\n")
 
 
+def first(doc: str | None, sep: str = "\n") -> str | None:
+    """A tool's --help description: its docstring up to `sep` (None under python -OO, which
+    strips docstrings: the help then has no description, and the tool still runs)."""
+    return doc and doc.split(sep)[0]
+
+
 def write_atomic(path: Path, data: bytes) -> None:
     # subtle: a reader (or a killed run) never sees half a file: write aside, then rename; the
     # aside name is unique, so two runs writing the same file cannot clobber each other's

@@ -38,7 +38,7 @@ from engine.kvcache import KVCache
 from engine.packed import rows_round_alike
 from engine.policy import Prices
 from engine.sampling import Random, Sampler
-from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
 MODES = {"greedy": Sampler(), "seeded": Sampler(temperature=0.8)}
@@ -166,7 +166,7 @@ def table(result: dict) -> str:
 
 def parse_args(argv):
     from engine.weights import DEFAULT_CHECKPOINT
-    p = Parser(prog="python -m tools.exact", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m tools.exact", description=first(__doc__))
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="one prompt per category")

@@ -28,7 +28,7 @@ from engine.generate import generate
 from engine.llama import Llama
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
-from tools.cli import Parser, out_dir, write_atomic
+from tools.cli import Parser, first, out_dir, write_atomic
 from tools.machine import describe, machine
 
 PROMPTS = Path(__file__).resolve().parent.parent / "bench" / "prompts.json"
@@ -92,7 +92,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     from engine.weights import DEFAULT_CHECKPOINT, load_model
-    p = Parser(prog="python -m tools.fidelity", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m tools.fidelity", description=first(__doc__))
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--tokens", type=int, default=64, help="fp32 continuation per prompt")
     p.add_argument("--out", type=Path, default=Path("bench-out"))

@@ -32,7 +32,6 @@ past the limit). Only 0 and 1 come with a verdict table.
 """
 from __future__ import annotations
 
-import argparse
 import importlib
 import importlib.util
 import inspect
@@ -51,6 +50,7 @@ import torch
 
 from engine.generate import Step
 from engine.sampling import Random, Sampler, verify_rejection
+from tools.cli import Parser, first
 from tools.exact_law import decoder_law, max_gap, reference_law
 
 ALPHA, BETA, TOL = 1e-6, 0.01, 1e-12
@@ -423,11 +423,6 @@ def plot_power(rates: dict, N: int, m: int, path: str) -> None:
 
 # --------------------------------------------------------------------------- CLI
 
-class Parser(argparse.ArgumentParser):
-    def error(self, message):
-        self.exit(2, f"error: {message}\n")
-
-
 def table(verdicts: list[Verdict]) -> str:
     rows = ["| sampler | mode | verdict | gap / TV^ | threshold | p-value | N | outcomes | detects TV >= |",
             "|---|---|---|---|---|---|---|---|---|"]
@@ -440,7 +435,7 @@ def table(verdicts: list[Verdict]) -> str:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m tools.prove", description=__doc__.split("\n\n")[0],
+    ap = Parser(prog="python -m tools.prove", description=first(__doc__, "\n\n"),
                 epilog="exit: 0 all PASS, 1 a FAIL, 2 bad input or refused before starting, 3 no verdict")
     ap.add_argument("samplers", nargs="+", metavar="SAMPLER",
                     help="engine-rejection | engine-plain | engine-speculative | engine-coupled | "

@@ -18,7 +18,8 @@ from dataclasses import asdict
 
 import torch
 
-from tools.prove import Parser, certify_samples, table
+from tools.cli import Parser, first
+from tools.prove import certify_samples, table
 
 V, PROMPT = 4, [1, 3, 0]
 
@@ -47,7 +48,7 @@ def target_law(target, t: float) -> dict:
 
 
 def main(argv=None) -> int:
-    ap = Parser(prog="python -m tools.prove_hf", description=__doc__.split("\n\n")[0])
+    ap = Parser(prog="python -m tools.prove_hf", description=first(__doc__, "\n\n"))
     ap.add_argument("--samples", type=int, default=20_000)
     ap.add_argument("--temperature", type=float, default=1.0)
     ap.add_argument("--seed", type=int, default=0)

@@ -28,7 +28,7 @@ import torch
 from engine.decoders import DECODERS
 from engine.generate import generate
 from engine.llama import Llama
-from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 from engine.sampling import Random, Sampler
 
@@ -207,7 +207,7 @@ def plot(summary: dict, path: Path) -> None:
 
 
 def parser() -> argparse.ArgumentParser:
-    p = Parser(prog="python -m tools.quality", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m tools.quality", description=first(__doc__))
     p.add_argument("--max-new-tokens", type=int, default=96, help="token budget per output")
     p.add_argument("--out", default="bench-out", help="directory for quality.{md,json,png}")
     p.add_argument("--seeds", type=int, default=3, help="seeds per prompt for nucleus sampling")

@@ -20,7 +20,7 @@ from engine.kvcache import KVCache
 from engine.llama import LlamaConfig
 from engine.packed import prepack, quantize_int4
 from tools.bench import SMOLLM2_135M, bandwidth, progress, random_model, time_forward, weight_bytes
-from tools.cli import Parser, at_most, out_dir, write_atomic
+from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
 SHAPES = {   # Llama 3.2's published shapes (tied heads); RoPE scaling does not change a step's time
@@ -64,7 +64,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    p = Parser(prog="python -m tools.scale", description=__doc__.splitlines()[0])
+    p = Parser(prog="python -m tools.scale", description=first(__doc__))
     p.add_argument("--shapes", nargs="+", default=list(SHAPES), choices=SHAPES)
     p.add_argument("--int4", action="store_true", help="also the --int4 path of each shape")
     p.add_argument("--repeats", type=int, default=5)

@@ -26,7 +26,7 @@ import torch
 from engine.decoders import DECODERS
 from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
-from tools.cli import Parser, out_dir, write_atomic
+from tools.cli import Parser, first, out_dir, write_atomic
 from tools.machine import describe, machine
 
 KINDS = {  # top-level op name -> kind; anything else is "other ops"
@@ -87,7 +87,7 @@ def models(checkpoint: Path):
 
 def main(argv: list[str] | None = None) -> int:
     from engine.weights import DEFAULT_CHECKPOINT
-    p = Parser(prog="python -m tools.split", description=__doc__.split("\n")[0])
+    p = Parser(prog="python -m tools.split", description=first(__doc__))
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run")
     p.add_argument("--repeats", type=int, default=3, help="timed runs per path (median)")

@@ -10,23 +10,25 @@
 `Engine.load(path, int4=True, batch_invariant=True)` is the CLI's exact 4-bit path (`build`).
 `decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
-`adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced by fixed
-slopes per CPU (engine/policy.py; the CLI measures this machine's); False: the textbook loop.
+`adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced as the
+CLI prices it: this machine's costs, measured once (seconds) into ~/.cache/engine/ and read
+back (engine/cost.py); False: the textbook loop.
 A str prompt is chat-templated as the CLI does; a list of ints is sent as it is. Greedy unless
 temperature > 0; `seed` keys the draws. Errors are ValueErrors, as the CLI's `error:` lines.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Iterator
+from typing import Callable, Iterator
 
 import torch
 
+from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
 from engine.llama import Llama
 from engine.packed import prepack, quantize_int4
-from engine.policy import Prices
+from engine.policy import Prices, four_bit_copy
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import default_checkpoint, load_model
@@ -57,6 +59,18 @@ def check_device(name, what: str = "device") -> torch.device:
     if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
         raise ValueError(f"{what} {name}: there are {torch.cuda.device_count()} CUDA devices")
     return d
+
+
+def prices(model: Llama, second=None, table: dict | None = None, draft: float | None = None,
+           notify: Callable[[str], None] | None = None) -> Prices:
+    """The policy's prices, for the CLI and the API alike: `table` or this machine's k-row costs
+    for `model`, and `draft` or, for a 4-bit copy of it, that draft's measured price; each
+    measured on first use and kept (engine/cost.py, `notify` hears where). On an inexact path
+    (int4, bf16) a price moves the tokens too, so both must read the same."""
+    table = calibrated(model, notify=notify) if table is None else table
+    if draft is None and four_bit_copy(model, second):
+        draft = draft_price(model, second, notify=notify)
+    return Prices(table, draft)
 
 
 @dataclass
@@ -95,7 +109,7 @@ class Engine:
                              else f"{decoder} takes no second model")
         extra = () if second is None else (d.early_exit(second) if isinstance(second, int) else second,)
         if d.adapts(knobs, adaptive):
-            knobs = {**knobs, "policy": d.policy(self.model, *extra, Prices(), knobs)}
+            knobs = {**knobs, "policy": d.policy(self.model, *extra, prices(self.model, *extra), knobs)}
         steps = d.decode(self.model, *extra, self.ids(prompt), sampler=Sampler(temperature, top_k, top_p),
                          rng=Random(seed), max_new_tokens=max_new_tokens, **knobs)
         self.stats = Stats()

@@ -278,14 +278,19 @@ def costs(target: Llama, draft: Llama | SelfDraft,
         lower = layer_share(target, draft.layers)
         head = 1 - layer_share(target, target.config.n_layers)
         return lower + head, lambda k: lower + (1 - lower) * rows(k + 1), 0.5
-    kind = type(draft.layers[0].feed_forward.w13).__name__
-    copy = draft.config == target.config and kind == "Int4Linear"
+    kind, copy = type(draft.layers[0].feed_forward.w13).__name__, four_bit_copy(target, draft)
     c = prices.draft
     if c is None:
         size = lambda m: sum(p.numel() for p in m.parameters())
         c = DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6) if copy \
             else size(draft) / size(target)
     return c, lambda k: rows(k + 1), 0.9 if copy else 0.5
+
+
+def four_bit_copy(target: Llama, draft: Llama | SelfDraft) -> bool:
+    """Whether `draft` is the target's own shapes in 4 bits (--draft int4): priced apart."""
+    return isinstance(draft, Llama) and draft.config == target.config \
+        and type(draft.layers[0].feed_forward.w13).__name__ == "Int4Linear"
 
 
 def draft_length(target: Llama, draft: Llama | SelfDraft, prices: Prices = Prices(),

@@ -29,8 +29,8 @@ from pathlib import Path
 
 import torch
 
-from engine.api import build, check_device
-from engine.cost import calibrated, draft_price, load_table
+from engine.api import build, check_device, prices as api_prices
+from engine.cost import load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, generate
@@ -172,16 +172,12 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     """The second model and the policy's prices: this machine's cost table (measured once,
     then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
     pays more than the self-draft at their priors (engine/policy.py, pick_draft)."""
-    table = args.cost_table if args.cost_table is not None else calibrated(model, notify=notes.append)
-    cost = args.draft_cost
-    int4 = args.decoder == "speculative" and args.draft in ("int4", "auto") and isinstance(second[0], torch.nn.Module)
-    if int4 and cost is None:
-        cost = draft_price(model, second[0], notify=notes.append)
-    if int4 and args.draft == "auto":
+    p = api_prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append)
+    if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
         own = self_draft(model.config.n_layers)
-        pick = pick_draft(model, [(own, Prices(table)), (second[0], Prices(table, cost))])
-        second, cost = (pick,), None if pick is own else cost
-    return second, Prices(table, cost)
+        pick = pick_draft(model, [(own, Prices(p.table)), (second[0], p)])
+        return (pick,), Prices(p.table) if pick is own else p
+    return second, p
 
 
 def load(ckpt, args):

@@ -76,6 +76,39 @@ def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
     assert list(exact.tokens("the the the", decoder="lookahead", max_new_tokens=16, adaptive=False)) == want
 
 
+def test_a_policy_reads_the_prices_the_cli_gives_it(ckpt, monkeypatch, capsys):
+    # Why: on an inexact path (int4, bf16) a price moves the tokens too (another copy length
+    # sends other rows, which round apart), so the API's adaptive decoders must be priced as the
+    # CLI's are: this machine's measured costs, not fixed slopes
+    import dataclasses
+    seen, real = [], DECODERS["lookup"].policy
+
+    def spy(model, prices, knobs):
+        seen.append(prices)
+        return real(model, prices, knobs)
+
+    monkeypatch.setitem(DECODERS, "lookup", dataclasses.replace(DECODERS["lookup"], policy=spy))
+    assert main(["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "4",
+                 "--decoder", "lookup", "--json"]) == 0
+    capsys.readouterr()
+    Engine.load(ckpt).generate("the the", decoder="lookup", max_new_tokens=4)
+    assert len(seen) == 2 and seen[0].table and seen[1] == seen[0]
+
+
+@pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(), reason="run `make weights` first")
+@pytest.mark.parametrize("decoder", ["lookup", "lookahead"])
+def test_int4_adaptive_decoders_print_the_clis_tokens(decoder, capsys):
+    # Why: the same prompt, decoder and path through the API and the CLI is one answer, also
+    # where k-row forwards round apart (int4) and the policy's prices choose the rows (here, a
+    # lookup priced by fixed slopes left the CLI's tokens at the 6th)
+    prompt = "Write a short story about a robot who learns to paint."
+    assert main(["--prompt", prompt, "--max-new-tokens", "48", "--int4", "--dtype", "bfloat16",
+                 "--decoder", decoder, "--json"]) == 0
+    cli = json.loads(capsys.readouterr().out)
+    llm = Engine.load(int4=True, dtype=torch.bfloat16)
+    assert list(llm.tokens(prompt, decoder=decoder, max_new_tokens=48)) == cli["tokens"]
+
+
 def test_the_device_is_where_the_weights_go_and_batch_invariant_stays_on_the_cpu(ckpt):
     # Why: Engine.load(device=) is the API's --device (docs/cuda.md: an H200 ran every decoder);
     # meta stands in for CUDA here: the weights go there, unpacked, and the CPU-only

@@ -28,14 +28,13 @@ from pathlib import Path
 import torch
 
 from tools.compiled import compile_model
-from engine.cost import calibrated, draft_price
+from engine.api import prices as api_prices
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
 from engine.packed import prepack, quantize_int4
-from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from engine.weights import DTYPES
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
@@ -239,9 +238,8 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     price their choices with this machine's measured costs, as the CLI's do."""
     name, second, knobs = config
     models = (model,) if second is None else (model, second)
-    if knobs.get("adaptive"):   # a policy, priced as the CLI prices it (engine/run.py, prices)
-        prices = Prices(calibrated(model, notify=progress),
-                        draft_price(model, second, notify=progress) if isinstance(second, Llama) else None)
+    if knobs.get("adaptive"):   # a policy, priced as the CLI prices it (engine.api.prices)
+        prices = api_prices(model, second, notify=progress)
         knobs = {k: v for k, v in knobs.items() if k != "adaptive"}
         knobs["policy"] = DECODERS[name].policy(*models, prices, knobs)
     steps, stats = [], Stats()

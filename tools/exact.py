@@ -31,12 +31,12 @@ from typing import Callable
 
 import torch
 
+from engine.api import prices
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import generate
 from engine.kvcache import KVCache
 from engine.packed import rows_round_alike
-from engine.policy import Prices
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
@@ -55,19 +55,20 @@ class Run:
 
 
 def runs() -> list[Run]:
-    """Every decoder but plain, textbook and with its policy (the CLI's default)."""
+    """Every decoder but plain, textbook and with its policy priced as the CLI prices it (the
+    CLI's default: this machine's measured costs, engine.api.prices)."""
     la, lu, sp, cd = (DECODERS[n] for n in ("lookahead", "lookup", "speculative", "contrastive"))
     draft = SelfDraft(20)               # the target's first 20 of 30 layers
     return [
         Run("lookahead W5 N4 G5", la.decode, (), lambda m: {"window": 5, "ngram": 4, "guesses": 5}),
-        Run("lookahead policy", la.decode, (), lambda m: {"policy": la.policy(m, Prices(), {})}),
+        Run("lookahead policy", la.decode, (), lambda m: {"policy": la.policy(m, prices(m), {})}),
         Run("lookup K8", lu.decode, (), lambda m: {"lookup_tokens": 8}),
-        Run("lookup policy", lu.decode, (), lambda m: {"policy": lu.policy(m, Prices(), {})}),
+        Run("lookup policy", lu.decode, (), lambda m: {"policy": lu.policy(m, prices(m), {})}),
         Run("speculative K4 rejection", sp.decode, (draft,),
             lambda m: {"num_draft": 4, "verify": "rejection"}, ("greedy",)),
         Run("speculative K4 coupled", sp.decode, (draft,), lambda m: {"num_draft": 4, "verify": "coupled"}),
         Run("speculative policy coupled", sp.decode, (draft,),
-            lambda m: {"verify": "coupled", "policy": sp.policy(m, draft, Prices(), {})}),
+            lambda m: {"verify": "coupled", "policy": sp.policy(m, draft, prices(m, draft), {})}),
         Run("contrastive beta=0 K3 amateur 8", cd.decode, (8,),
             lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
     ]

@@ -139,7 +139,7 @@ class Attention(nn.Module):
         qkv, bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.attention_bias
         self.wqkv = nn.Linear(cfg.dim, qkv, bias=bias)
         self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
-        # the kernel: SDPA, or one whose rows round alike however many share a call (packed.py)
+        # the kernel: SDPA, or one whose rows round alike however many share a call (invariant.py)
         self.attend = F.scaled_dot_product_attention
 
     def forward(self, h: Tensor, rows: Tensor | None, cos: Tensor, sin: Tensor,

@@ -49,7 +49,7 @@ def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
 
 def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
     # Why: batch_invariant is the API's --batch-invariant; fp32 rows then round alike, bit for bit
-    from engine.packed import invariant_attention, rows_round_alike
+    from engine.invariant import invariant_attention, rows_round_alike
     llm = Engine.load(ckpt, batch_invariant=True)
     assert llm.model.layers[0].attention.attend is invariant_attention and rows_round_alike(llm.model)
     want = list(llm.tokens("the the the", max_new_tokens=16))
@@ -61,7 +61,8 @@ def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
 def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
     # Why: Engine.load(int4=True) is the API's --int4 --dtype bfloat16: the same 4-bit layers,
     # so one prompt gives the CLI's tokens; with batch_invariant, every decoder gives its plain's
-    from engine.packed import Int4Linear, rows_round_alike
+    from engine.invariant import rows_round_alike
+    from engine.packed import Int4Linear
     argv = ["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "12", "--int4",
             "--dtype", "bfloat16", "--json"]
     assert main(argv) == 0
@@ -71,7 +72,7 @@ def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
     assert list(llm.tokens("the the", max_new_tokens=12)) == cli["tokens"]
     exact = Engine.load(ckpt, int4=True, batch_invariant=True)
     if not rows_round_alike(exact.model):   # as the CLI's exact claim, it rests on this CPU's probe
-        pytest.skip("packed.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
+        pytest.skip("invariant.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
     want = list(exact.tokens("the the the", max_new_tokens=16))
     assert list(exact.tokens("the the the", decoder="lookahead", max_new_tokens=16, adaptive=False)) == want
 

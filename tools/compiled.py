@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from engine.kvcache import KVCache
 from engine.llama import Block, Llama
-from engine.packed import invariant_attention
+from engine.invariant import invariant_attention
 
 # cpp_wrapper: the graph's kernels are called from C++, not from generated Python
 OPTIONS = {"cpp_wrapper": True}
@@ -86,7 +86,7 @@ class CompiledBlock(nn.Module):
         super().__init__()
         self.block, self.shared = block, shared
 
-    # what the rest of the engine reads of a block (packed.rows_round_alike, prepack's swaps)
+    # what the rest of the engine reads of a block (invariant.rows_round_alike, prepack's swaps)
     attention = property(lambda self: self.block.attention)
     feed_forward = property(lambda self: self.block.feed_forward)
     attention_norm = property(lambda self: self.block.attention_norm)

@@ -36,7 +36,7 @@ from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import generate
 from engine.kvcache import KVCache
-from engine.packed import rows_round_alike
+from engine.invariant import rows_round_alike
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine

@@ -1,0 +1,203 @@
+"""Batch invariance (engine/invariant.py): each attention row, and each row the probe checks,
+rounds alike however many rows share the call, wherever its masked keys sit; the broken
+variants (one matmul over all keys, SDPA, fp32 MKL matmuls, a kernel that treats one row
+apart) are shown to fail the same tests.
+"""
+import random
+
+import pytest
+import torch
+
+from engine import invariant, packed
+
+
+# --------------------------------------------------------------------------- attention
+
+def chain_and_gaps(S: int, T: int):
+    """A k-row mask two ways: a causal chain after S - T cached keys (speculative, lookup), and
+    the same rows with 5 masked keys between the cache and them (lookahead's window slots)."""
+    n = S - T
+    chain = torch.arange(S)[None, :] <= (n + torch.arange(T))[:, None]            # (T, S)
+    gaps = torch.cat([chain[:, :n], torch.zeros(T, 5, dtype=torch.bool), chain[:, n:]], 1)  # (T, S + 5)
+    return chain, gaps
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+@pytest.mark.parametrize("S", [37, 300, 700])
+def test_invariant_attention_rows_round_as_one_row_does(S, dtype):
+    # Why: a decoder's verified row must get plain's bits, though it shares its forward with
+    # other rows and its keys sit beside masked ones; plain computes it alone, unmasked.
+    g = torch.Generator().manual_seed(S)
+    H, Hkv, D, T = 9, 3, 64, 8
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, S, D, generator=g).to(dtype) for _ in range(2))
+    chain, gaps = chain_and_gaps(S, T)
+    junk = lambda x: torch.cat([x[:, :, :S - T], torch.randn(1, Hkv, 5, D, generator=g).to(dtype), x[:, :, S - T:]], 2)
+    rows = invariant.invariant_attention(q, k, v, attn_mask=chain)                     # (1, H, T, D)
+    gapped = invariant.invariant_attention(q, junk(k), junk(v), attn_mask=gaps)
+    for t in range(T):                     # plain: row t alone, over its own keys [0, S - T + t]
+        alone = invariant.invariant_attention(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1])
+        assert torch.equal(rows[:, :, t:t + 1], alone) and torch.equal(gapped[:, :, t:t + 1], alone)
+    # and it is the attention SDPA computes, to bf16 rounding
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=chain,
+                                                           enable_gqa=True)
+    assert (rows.float() - ref).abs().max() < (0.02 if dtype == torch.bfloat16 else 1e-5)
+
+
+def tree_rows_apart(attend, seed: int, H: int = 9, Hkv: int = 3, dtype=torch.bfloat16) -> int:
+    """How many rows of a random lookahead-like step (a tree of T rows after c cached keys, each
+    row seeing the cache and its ancestors) differ from the row alone over its own keys in
+    position order, as plain computes it."""
+    rng, g = random.Random(seed), torch.Generator().manual_seed(seed)
+    D, c, T = 64, rng.randint(5, 150), rng.randint(2, 12)
+    parent = [-1] + [rng.randint(0, i - 1) for i in range(1, T)]
+    q = torch.randn(1, H, T, D, generator=g).to(dtype)
+    k, v = (torch.randn(1, Hkv, c + T, D, generator=g).to(dtype) for _ in range(2))
+    mask = torch.zeros(T, c + T, dtype=torch.bool)
+    mask[:, :c] = True
+    keys = []
+    for r in range(T):
+        mine, j = [c + r], parent[r]
+        while j >= 0:
+            mine, j = [c + j] + mine, parent[j]
+        mask[r, mine] = True
+        keys.append(list(range(c)) + mine)
+    rows = attend(q, k, v, attn_mask=mask)
+    return sum(not torch.equal(rows[:, :, r:r + 1], attend(q[:, :, r:r + 1], k[:, :, keys[r]], v[:, :, keys[r]]))
+               for r in range(T))
+
+
+# seeds where one bf16 matmul over all S keys (the first invariant_attention) put a row apart:
+# 192 and 704 under the AVX512 dispatch here, 40, 95 and 159 under AVX2 (ATEN_CPU_CAPABILITY)
+APART_ONCE = [40, 95, 159, 192, 704]
+
+
+@pytest.mark.parametrize("seeds", [APART_ONCE, range(200)], ids=["pinned", "drawn"])
+@pytest.mark.parametrize("H, Hkv", [(9, 3), (4, 4), (8, 2)], ids=["SmolLM2", "MHA", "g4"])
+def test_invariant_attention_rows_of_a_tree_step_round_as_plain_rows(seeds, H, Hkv):
+    # Why: lookahead's rows see the cache and their ancestors, with other rows' keys between;
+    # each must get the bits plain gets for it alone, whatever the kernel's grouping of keys
+    # (and however many query heads share a kv head: one, as in MHA, makes one-row matmuls)
+    assert sum(tree_rows_apart(invariant.invariant_attention, s, H, Hkv) for s in seeds) == 0
+
+
+@pytest.mark.parametrize("H, Hkv", [(9, 3), (4, 4)], ids=["SmolLM2", "MHA"])
+def test_fp32_invariant_attention_rows_of_a_tree_step_round_as_plain_rows(H, Hkv):
+    # Why: --batch-invariant on fp32 promises plain's bits for every verified row, as on bf16
+    assert sum(tree_rows_apart(invariant.invariant_attention, s, H, Hkv, torch.float32) for s in range(60)) == 0
+
+
+def test_fp32_invariant_attention_on_fp32_matmuls_fails_the_tree_test(monkeypatch):
+    # the broken variant: fp32's mm as MKL's matmul (one row takes a kernel of its own: MHA's
+    # plain step sends one row per head; measured 150 rows apart of 20 steps, AVX512 and AVX2)
+    monkeypatch.setattr(invariant, "mm", lambda a, b: a @ b)
+    assert sum(tree_rows_apart(invariant.invariant_attention, s, 4, 4, torch.float32) for s in range(20)) > 0
+
+
+# seeds where a one-row bf16 matmul rounded apart from the same row among 8 (AVX512 dispatch here)
+ONE_ROW_APART = [222, 225, 337]
+
+
+def test_a_one_row_matmul_is_sent_as_two_rows():
+    # Why: invariant_attention's one-row matmuls (plain's step, one head per kv head) must round
+    # as the same row among others; a single row may take a kernel of its own
+    def among_eight(seed, matmul):
+        g = torch.Generator().manual_seed(seed)
+        a, b = torch.randn(5, 8, 32, generator=g).bfloat16(), torch.randn(5, 32, 64, generator=g).bfloat16()
+        return torch.equal(matmul(a[:, :1], b), (a @ b)[:, :1])
+    assert all(among_eight(s, invariant.mm) for s in ONE_ROW_APART + list(range(50)))
+    if torch.backends.cpu.get_cpu_capability() == "AVX512":   # the broken variant: one row as is
+        assert not all(among_eight(s, lambda a, b: a @ b) for s in ONE_ROW_APART)
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32], ids=["bf16", "fp32"])
+def test_a_long_prompt_in_chunks_of_rows_rounds_as_one_pass(dtype):
+    # Why: a prompt of more than invariant.ROWS rows goes through attention in chunks (bounded
+    # memory); each row must get the bits it gets in one pass (and alone)
+    g = torch.Generator().manual_seed(1)
+    n = invariant.ROWS[dtype]
+    T = n + 40
+    q = torch.randn(1, 9, T, 64, generator=g).to(dtype)
+    k, v = (torch.randn(1, 3, T, 64, generator=g).to(dtype) for _ in range(2))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    rows = invariant.invariant_attention(q, k, v, attn_mask=causal)
+    for t in (0, 37, n - 1, n, T - 1):
+        alone = invariant.invariant_attention(q[:, :, t:t + 1], k[:, :, :t + 1], v[:, :, :t + 1])
+        assert torch.equal(rows[:, :, t:t + 1], alone)
+    ref = torch.nn.functional.scaled_dot_product_attention(q.float(), k.float(), v.float(), attn_mask=causal,
+                                                           enable_gqa=True)
+    assert (rows.float() - ref).abs().max() < 0.02
+
+
+def one_matmul(q, k, v, attn_mask=None, enable_gqa=True):
+    """The broken variant: p @ v as one bf16 matmul over all S keys, the masked ones at weight 0."""
+    B, H, T, D = q.shape
+    g = H // k.shape[1]
+    s = (q * D ** -0.5).reshape(B, k.shape[1], g * T, D) @ k.transpose(-1, -2)
+    s = s.float().masked_fill(~attn_mask.repeat(g, 1), float("-inf")) if attn_mask is not None else s.float()
+    e = (s - s.amax(-1, keepdim=True)).exp()
+    return ((e / e.cumsum(-1)[..., -1:]).to(q.dtype) @ v).view(B, H, T, D)
+
+
+def test_one_matmul_over_all_keys_fails_the_tree_test():
+    dispatch = torch.backends.cpu.get_cpu_capability()
+    if dispatch not in ("AVX512", "AVX2"):
+        pytest.skip(f"the pinned seeds were found under AVX512 and AVX2, not {dispatch}")
+    assert sum(tree_rows_apart(one_matmul, s) for s in APART_ONCE) > 0
+
+
+def test_sdpa_fails_the_row_invariance_test():
+    # the broken variant: SDPA itself (its key blocks depend on the call's shape) must be caught
+    g = torch.Generator().manual_seed(700)
+    S, H, Hkv, D, T = 700, 9, 3, 64, 8
+    q = torch.randn(1, H, T, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, Hkv, S, D, generator=g).bfloat16() for _ in range(2))
+    chain, gaps = chain_and_gaps(S, T)
+    junk = lambda x: torch.cat([x[:, :, :S - T], torch.randn(1, Hkv, 5, D, generator=g).bfloat16(), x[:, :, S - T:]], 2)
+    sdpa = torch.nn.functional.scaled_dot_product_attention
+    rows = sdpa(q, k, v, attn_mask=chain, enable_gqa=True)
+    gapped = sdpa(q, junk(k), junk(v), attn_mask=gaps, enable_gqa=True)
+    alone = [sdpa(q[:, :, t:t + 1], k[:, :, :S - T + t + 1], v[:, :, :S - T + t + 1], enable_gqa=True)
+             for t in range(T)]
+    assert not all(torch.equal(rows[:, :, t:t + 1], a) and torch.equal(gapped[:, :, t:t + 1], a)
+                   for t, a in enumerate(alone))
+
+
+def test_fp32_matmuls_round_a_row_by_row_count():
+    # Why invariant_attention's fp32 mm multiplies and sums: the scores' matmul (MKL) rounds a
+    # row apart when more rows share the call
+    g = torch.Generator().manual_seed(0)
+    q, k = torch.randn(1, 3, 24, 64, generator=g), torch.randn(1, 3, 100, 64, generator=g)
+    rows = q @ k.transpose(-1, -2)                                     # (1, 3, 24, 100)
+    alone = torch.cat([q[:, :, i:i + 1] @ k.transpose(-1, -2) for i in range(24)], 2)
+    assert not torch.equal(rows, alone)
+
+
+def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
+    # Why: the CLI calls a --batch-invariant run exact only where this probe says the kernels
+    # round rows alike; a kernel that takes another path for one row must make it say False
+    from engine.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(dim=64, n_layers=1, n_heads=9, n_kv_heads=3, hidden_dim=96, vocab_size=64,
+                      head_dim=64)   # SmolLM2's heads: where SDPA is seen to round rows apart
+    torch.manual_seed(0)
+    q = packed.prepack(packed.quantize_int4(Llama(cfg).float().requires_grad_(False)), batch_invariant=True)
+    assert invariant.rows_round_alike(q)
+    class OneRowApart(torch.nn.Module):       # the broken variant: one row rounds another way
+        def __init__(self, inner):
+            super().__init__()
+            self.inner = inner
+
+        def forward(self, x):
+            return self.inner(x) * (1 + 2 ** -7 * (x.shape[0] == 1))
+    w13 = q.layers[0].feed_forward.w13
+    q.layers[0].feed_forward.w13 = OneRowApart(w13)
+    assert not invariant.rows_round_alike(q)
+    # and attention whose key blocks follow the call's shape (SDPA). The rarer, value-dependent
+    # misses of one_matmul are the tree test's to catch: one probe cannot draw enough rows
+    q.layers[0].feed_forward.w13 = w13
+    q.layers[0].attention.attend = torch.nn.functional.scaled_dot_product_attention
+    assert not invariant.rows_round_alike(q)
+    # fp32: exact with --batch-invariant; plain fp32 (SDPA) rounds a verified row apart
+    torch.manual_seed(0)
+    assert invariant.rows_round_alike(packed.prepack(Llama(cfg).float().requires_grad_(False), batch_invariant=True))
+    assert not invariant.rows_round_alike(packed.prepack(Llama(cfg).float().requires_grad_(False)))

@@ -2,8 +2,10 @@
 
 LlamaForCausalLM and MistralForCausalLM, with HF's defaults per class; RoPE scaling (linear,
 dynamic, llama3) in either spelling, transformers 4's `rope_theta` + `rope_scaling` or 5's
-`rope_parameters`. A field the model would not read, or would read wrong, is refused by name:
-a loader that ignored it would print fluent-looking text from the wrong model.
+`rope_parameters`. Every field it reads is checked, and a setting HF's Llama would honour
+but this model would not (an unknown rope_type or RoPE key, a quantization_config, another
+activation, partial rotary) is refused by name: a loader that ignored it would print
+fluent-looking text from the wrong model. Fields HF's Llama itself ignores are ignored here.
 """
 from __future__ import annotations
 

@@ -20,7 +20,7 @@ from torch import Tensor
 
 from engine.llama import Llama
 
-
+MOST_ROWS = 32   # rows per batch-invariant matmul call (packed.PackedLinear): oneDNN's 2..32-row kernel
 BLOCK = 32    # keys per block of invariant_attention's p @ v
 ROWS = {torch.bfloat16: 256, torch.float32: 16}   # query rows per pass (a long prompt goes in
                                                    # chunks; fp32's mm holds rows x keys x D)
@@ -118,14 +118,13 @@ def mm(a: Tensor, b: Tensor) -> Tensor:
     return (F.pad(a, (0, 0, 0, 1)) @ b)[..., :1, :]
 
 
-def rows_round_alike(model: Llama, k: int = 67) -> bool:
+def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     """Whether this model's kernels round a row alike in a one-row and a k-row call on this CPU,
     probed on random rows: one layer's projections, the head, and the attention (k rows of a
     lookahead-like step, each seeing the cache and every other new key up to itself, against
     each row alone over its own keys, as plain sends it). A CPU whose kernel picks another path
     by row count (AMX's, say), or attention that is not invariant_attention, answers False,
     and its k-row forwards may then leave plain's tokens."""
-    # k = 67: past twice the 32 rows a batch-invariant PackedLinear call takes (packed.MOST_ROWS)
     c = model.config
     g = torch.Generator().manual_seed(0)
     x = torch.randn(k, c.dim, generator=g).to(model.tok_embeddings.weight)

@@ -17,11 +17,10 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.invariant import invariant_attention
+from engine.invariant import MOST_ROWS, invariant_attention
 from engine.llama import Llama
 
 
-MOST_ROWS = 32   # batch-invariant PackedLinear calls take 2..32 rows (see its forward)
 # the op's one overload, bound once: a call through the packet resolves it every time
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default

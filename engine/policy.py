@@ -288,7 +288,8 @@ def costs(target: Llama, draft: Llama | SelfDraft,
 
 
 def four_bit_copy(target: Llama, draft: Llama | SelfDraft) -> bool:
-    """Whether `draft` is the target's own shapes in 4 bits (--draft int4): priced apart."""
+    """Whether `draft` has the target's config in 4-bit layers (--draft int4, or a 4-bit target's
+    own checkpoint as its draft): its price is measured (engine/cost.py, draft_price)."""
     return isinstance(draft, Llama) and draft.config == target.config \
         and type(draft.layers[0].feed_forward.w13).__name__ == "Int4Linear"
 

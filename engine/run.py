@@ -30,6 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.api import build, check_device, prices as api_prices
+from engine.config import load_config
 from engine.cost import load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -40,7 +41,6 @@ from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.trace import Tracer, traced
-from engine.config import load_config
 from engine.weights import DTYPES, default_checkpoint
 SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose

@@ -22,8 +22,8 @@ from pathlib import Path
 import sentencepiece
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.template import render
 from engine.config import read_json
+from engine.template import render
 
 
 def token_ids(path: Path, d: dict, key: str, vocab_size: int) -> list[int]:

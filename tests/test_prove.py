@@ -103,7 +103,7 @@ def test_cli_exit_codes_json_and_a_one_line_error_in_a_fresh_process():
 def main(args, capsys):
     try:
         rc = prove.main(args)
-    except SystemExit as e:   # argparse's own errors, through prove.Parser
+    except SystemExit as e:   # argparse's own errors, through tools.cli.Parser
         rc = e.code
     out, err = capsys.readouterr()
     return rc, out, err

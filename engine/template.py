@@ -2,14 +2,17 @@
 
 Templates ship with downloaded weights. jinja2's sandbox stops them from running code, not
 from working without end, so here they are also bounded: big powers and products refused,
-`range` items counted over the whole render, a wall-clock limit, and the output (and every
-string built on the way) capped by what the model's context could hold. Every failure, the
-template's own bugs included, is one ValueError line. A reader learning decoding may skip it.
+`range` items counted over the whole render, a wall-clock limit, and the output, `~` joins,
+`+` concatenations, repeated sequences and width arguments capped by what the model's context
+could hold. Strings a filter builds (`join`) are bounded by the clock, not by size. Every
+failure, the template's own bugs included, is one ValueError line. A reader learning decoding
+may skip it.
 """
 from __future__ import annotations
 
 import functools
 import json
+import re
 import signal
 import threading
 import time
@@ -122,11 +125,62 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             if isinstance(a, int) and not isinstance(a, bool):
                 self.check_size(abs(a), what)
 
-    def bounded(self, f):   # filters are called directly, not through call(): check their widths too
+    def weight(self, x) -> int:
+        """About the characters `x` renders to: a string's length, a container's items summed
+        (each at least 1). Walked only to just past the cap: at most max_chars steps."""
+        total, todo = 0, [x]
+        while todo and total <= self.max_chars:
+            y = todo.pop()
+            if isinstance(y, (str, bytes)):
+                total += len(y)
+            elif isinstance(y, (list, tuple, set, frozenset, dict)):
+                total += len(y)
+                todo += [*y, *y.values()] if isinstance(y, dict) else y
+            else:
+                total += 1
+        return total
+
+    def check_output(self, name: str, subject, args: tuple, kwargs: dict) -> None:
+        """Before a filter or a method runs: refuse one whose output would be past the cap. The
+        sandbox's deadline cannot stop a C loop (`sum`, `join`, `replace`) once it has begun.
+        subtle: these are the calls whose output can be the product of their inputs' sizes;
+        every other output is at most their sum, which the check after each call bounds."""
+        arg = lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default)
+        s, out = str(subject), 0
+        if name in ("join", "do_join"):                   # filter: value|join(d); method: d.join(value)
+            items, sep = (subject, str(arg(0, "d", ""))) if name == "do_join" else (args[0], s)
+            out = self.weight(items) + len(sep) * len(items)   # items: listed by the caller
+        elif name in ("replace", "do_replace"):
+            old, new = str(arg(0, "old", "")), str(arg(1, "new", ""))
+            out = len(s) + (s.count(old) if old else len(s) + 1) * len(new)
+        elif name == "do_indent":
+            width = arg(0, "width", 4)
+            out = len(s) + (s.count("\n") + 1) * (width if isinstance(width, int) else len(str(width)))
+        elif name == "expandtabs":
+            out = len(s) + s.count("\t") * max(arg(0, "tabsize", 8), 0)
+        elif name == "do_wordwrap":
+            width, wrap = arg(0, "width", 79), arg(4, "wrapstring", None)
+            out = len(s) + (len(s) // max(width, 1) + 1) * len(str(wrap or "\n"))
+        elif name in ("do_format", "format", "format_map"):   # widths inside the format string
+            out = max(map(int, re.findall(r"\d+", s)), default=0)
+        elif name == "do_sum" and not isinstance(arg(1, "start", 0), (int, float)):
+            raise TemplateBound("sum() adds numbers only here (a sum of lists is quadratic)")
+        self.check_size(out, "the output a filter or method would build")
+
+    def bounded(self, f):   # filters are called directly, not through call(): check them here
+        pass_arg = getattr(f, "jinja_pass_arg", None) is not None   # a context comes first
+
         @functools.wraps(f)   # keeps jinja's pass_context marks
         def g(*args, **kwargs):
             self.check_ints((*args, *kwargs.values()), "a filter's width or count argument")
-            return f(*args, **kwargs)
+            value, rest = (args[1], args[2:]) if pass_arg else (args[0], args[1:])
+            if f.__name__ == "do_join":   # a generator is listed first, so its length is known
+                value = listed(value)
+                args = (*args[:pass_arg], value, *rest)
+            self.check_output(f.__name__, value, rest, kwargs)
+            out = f(*args, **kwargs)
+            self.check_size(self.weight(out), "a filter's output")
+            return out
         return g
 
     def concat_bounded(self, parts) -> str:
@@ -143,19 +197,31 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             raise TemplateBound(f"{left} ** {right} has more than {MAX_INT_BITS} bits")
         if operator == "*" and ints and left.bit_length() + right.bit_length() > MAX_INT_BITS:
             raise TemplateBound(f"a product of more than {MAX_INT_BITS} bits")
-        if operator == "*":   # sequence * count
+        if operator == "*":   # sequence * count: its items' weight, not their number
             seq, n = (left, right) if isinstance(right, int) else (right, left)
             if isinstance(n, int) and hasattr(seq, "__len__"):
-                self.check_size(len(seq) * max(n, 0), "a repeated sequence")
+                self.check_size(self.weight(seq) * max(n, 0), "a repeated sequence")
         if operator == "+" and hasattr(left, "__len__") and hasattr(right, "__len__"):
-            self.check_size(len(left) + len(right), "a concatenation")
+            self.check_size(self.weight(left) + self.weight(right), "a concatenation")
         if operator == "%" and isinstance(left, str):
             self.check_ints(right if isinstance(right, tuple) else (right,), "a format width")
+            self.check_output("format", left, (), {})
         return super().call_binop(context, operator, left, right)
 
     def call(self, __context, __obj, *args, **kwargs):
         self.check_ints((*args, *kwargs.values()), "a width or count argument")
-        return super().call(__context, __obj, *args, **kwargs)
+        if isinstance(getattr(__obj, "__self__", None), str):   # 'x'.replace(...), sep.join(...)
+            if __obj.__name__ == "join" and args:
+                args = (listed(args[0]), *args[1:])
+            self.check_output(__obj.__name__, __obj.__self__, args, kwargs)
+        out = super().call(__context, __obj, *args, **kwargs)
+        self.check_size(self.weight(out), "a call's output")
+        return out
+
+    def wrap_str_format(self, value):   # the sandbox's own str.format: its widths, checked first
+        if isinstance(getattr(value, "__self__", None), str) and value.__name__ in ("format", "format_map"):
+            self.check_output("format", value.__self__, (), {})
+        return super().wrap_str_format(value)
 
     def getattr(self, obj, attribute):
         self.tick()
@@ -173,6 +239,11 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if self.iterations > MAX_ITERATIONS:
             raise TemplateBound(f"loops over more than {MAX_ITERATIONS:,} items")
         return r
+
+
+def listed(x):
+    """x, or its items in a list where it has no length (a generator: `map`, `select`)."""
+    return x if hasattr(x, "__len__") else list(x)
 
 
 def raise_exception(message):   # HF templates' way to refuse a chat

@@ -159,7 +159,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         elif name == "expandtabs":
             out = len(s) + s.count("\t") * max(arg(0, "tabsize", 8), 0)
         elif name == "do_wordwrap":
-            width, wrap = arg(0, "width", 79), arg(4, "wrapstring", None)
+            width, wrap = arg(0, "width", 79), arg(2, "wrapstring", None)
             out = len(s) + (len(s) // max(width, 1) + 1) * len(str(wrap or "\n"))
         elif name in ("do_format", "format", "format_map"):   # widths inside the format string
             out = max(map(int, re.findall(r"\d+", s)), default=0)

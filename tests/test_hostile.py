@@ -251,11 +251,12 @@ ONE_CALL_TEMPLATES = {
     "a repeated list of long strings": "{{ (['x' * 100000] * 100000)|tojson }}",
     "doubling by join": "{% set ns = namespace(s='ab') %}{% for i in range(64) %}"
                         "{% set ns.s = [ns.s, ns.s]|join %}{% endfor %}{{ ns.s }}",
-    "a huge join separator": "{{ (range(100000)|map('string'))|join('y' * 100000) }}",
+    "a huge join separator": "{{ (range(1000)|map('string'))|join('y' * 1000000) }}",
     "a huge replacement": "{{ ('x' * 100000).replace('x', 'y' * 100000) }}",
     "a huge indent": "{{ ('x\\n' * 50000)|indent(100000) }}",
     "a huge tab size": "{{ ('\\t' * 100000).expandtabs(100000) }}",
     "a huge wrap string": "{{ ('x' * 100000)|wordwrap(1, wrapstring='y' * 100000) }}",
+    "a huge wrap string, by position": "{{ ('x' * 100000)|wordwrap(1, True, 'y' * 100000) }}",
     "a width inside a % format": "{{ '%1000000000s' % 'a' }}",
     "a width inside str.format": "{{ '{:>1000000000}'.format('a') }}",
 }
@@ -275,11 +276,13 @@ def test_a_hostile_chat_template_is_one_line_and_fast(ckpt, case):
 @pytest.mark.parametrize("case", ONE_CALL_TEMPLATES)
 def test_a_template_call_that_would_build_a_huge_value_is_refused_before_it_runs(ckpt, case):
     # the deadline fires between bytecodes only, so these must be refused before the call:
-    # one line, and no large allocation on the way (before the fix: 100 MB to 1 GB, or a hang)
+    # one line, at once, and no large allocation on the way (before the fix: 100 MB to 1 GB,
+    # or a hang)
     import tracemalloc
     tok = copy.copy(Tokenizer.load(ckpt))
     tok.chat_template, tok.max_text_chars = ONE_CALL_TEMPLATES[case], 2**21
     tracemalloc.start()
+    t0 = time.monotonic()
     try:
         with pytest.raises(ValueError, match="chat template") as e:
             tok.render_chat([{"role": "user", "content": "hi"}])
@@ -287,6 +290,7 @@ def test_a_template_call_that_would_build_a_huge_value_is_refused_before_it_runs
     finally:
         tracemalloc.stop()
     assert peak < 20 * 2**20 and "\n" not in str(e.value) and "memory" not in str(e.value), (peak, str(e.value))
+    assert time.monotonic() - t0 < 1, "refused by the deadline, not before the call"
 
 
 def test_a_hostile_template_in_the_checkpoint_is_one_cli_line(ckpt, tmp_path, capsys):

@@ -25,6 +25,10 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 RENDER_SECONDS = 2.0     # a chat template renders in milliseconds; seconds mean it loops
 MAX_INT_BITS = 4096      # integers a template may build; enough for any counter or id
 MAX_ITERATIONS = 10**6   # range() items per render, over all loops
+# calls whose output check_output estimates from their string; the format specs in a string
+STRING_CALLS = {"replace", "do_replace", "do_indent", "expandtabs", "do_wordwrap", "do_format", "format",
+                "format_map", "join"}
+FORMAT_SPEC = re.compile(r"%[-+ #0]*([\d.]*)|\{[^{}:]*:([^{}]*)\}")
 
 
 def render(source: str, max_chars: int, **context) -> str:
@@ -146,7 +150,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         subtle: these are the calls whose output can be the product of their inputs' sizes;
         every other output is at most their sum, which the check after each call bounds."""
         arg = lambda i, key, default: args[i] if len(args) > i else kwargs.get(key, default)
-        s, out = str(subject), 0
+        s, out = str(subject) if name in STRING_CALLS else "", 0
         if name in ("join", "do_join"):                   # filter: value|join(d); method: d.join(value)
             items, sep = (subject, str(arg(0, "d", ""))) if name == "do_join" else (args[0], s)
             out = self.weight(items) + len(sep) * len(items)   # items: listed by the caller
@@ -162,7 +166,8 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             width, wrap = arg(0, "width", 79), arg(2, "wrapstring", None)
             out = len(s) + (len(s) // max(width, 1) + 1) * len(str(wrap or "\n"))
         elif name in ("do_format", "format", "format_map"):   # widths inside the format string
-            out = max(map(int, re.findall(r"\d+", s)), default=0)
+            specs = (m[1] or m[2] or "" for m in FORMAT_SPEC.finditer(s))   # "%10.2f", "{:>10}"
+            out = max((int(n) for spec in specs for n in re.findall(r"\d+", spec)), default=0)
         elif name == "do_sum" and not isinstance(arg(1, "start", 0), (int, float)):
             raise TemplateBound("sum() adds numbers only here (a sum of lists is quadratic)")
         self.check_size(out, "the output a filter or method would build")

@@ -293,6 +293,15 @@ def test_a_template_call_that_would_build_a_huge_value_is_refused_before_it_runs
     assert time.monotonic() - t0 < 1, "refused by the deadline, not before the call"
 
 
+def test_numbers_outside_a_format_spec_do_not_count_as_widths(ckpt):
+    # the width check reads the specs ("%10s", "{:>10}"), not every digit of the string: a
+    # template that formats text holding a phone number or a date still renders
+    tok = copy.copy(Tokenizer.load(ckpt))
+    tok.chat_template = ("{{ 'Call 18005551234, %s' % 'now' }} {{ 'id 99999999999 {:>3}'.format('x') }} "
+                         "{{ '%%d %5.1f'|format(2.5) }}")
+    assert tok.render_chat([{"role": "user", "content": "hi"}]) == "Call 18005551234, now id 99999999999   x %d   2.5"
+
+
 def test_a_hostile_template_in_the_checkpoint_is_one_cli_line(ckpt, tmp_path, capsys):
     d = edited(ckpt, tmp_path, "chat_template.jinja", HOSTILE_TEMPLATES["nested range loops"])
     line = one_error_line(run_main, ["--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "4"], capsys, seconds=5)

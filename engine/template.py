@@ -14,6 +14,7 @@ import functools
 import json
 import re
 import signal
+import string
 import threading
 import time
 from contextlib import contextmanager
@@ -26,9 +27,9 @@ RENDER_SECONDS = 2.0     # a chat template renders in milliseconds; seconds mean
 MAX_INT_BITS = 4096      # integers a template may build; enough for any counter or id
 MAX_ITERATIONS = 10**6   # range() items per render, over all loops
 # calls whose output check_output estimates from their string; the format specs in a string
-STRING_CALLS = {"replace", "do_replace", "do_indent", "expandtabs", "do_wordwrap", "do_format", "format",
+STRING_CALLS = {"replace", "do_replace", "do_indent", "expandtabs", "do_wordwrap", "%", "do_format", "format",
                 "format_map", "join"}
-FORMAT_SPEC = re.compile(r"%[-+ #0]*([\d.]*)|\{[^{}:]*:([^{}]*)\}")
+PERCENT_FIELD = re.compile(r"%%|%(?:\([^)]*\))?[-+ #0]*([\d.]*)")   # printf's: "%%" is no field
 
 
 def render(source: str, max_chars: int, **context) -> str:
@@ -165,9 +166,10 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         elif name == "do_wordwrap":
             width, wrap = arg(0, "width", 79), arg(2, "wrapstring", None)
             out = len(s) + (len(s) // max(width, 1) + 1) * len(str(wrap or "\n"))
-        elif name in ("do_format", "format", "format_map"):   # widths inside the format string
-            specs = (m[1] or m[2] or "" for m in FORMAT_SPEC.finditer(s))   # "%10.2f", "{:>10}"
-            out = max((int(n) for spec in specs for n in re.findall(r"\d+", spec)), default=0)
+        elif name in ("%", "do_format", "format", "format_map"):   # each field may repeat an argument
+            specs = format_specs(s, name in ("%", "do_format"))             # "%10.2f", "{0:>10}"
+            widest = max((int(n) for spec in specs for n in re.findall(r"\d+", spec)), default=0)
+            out = len(s) + len(specs) * (self.weight(args) + self.weight(kwargs) + widest)
         elif name == "do_sum" and not isinstance(arg(1, "start", 0), (int, float)):
             raise TemplateBound("sum() adds numbers only here (a sum of lists is quadratic)")
         self.check_size(out, "the output a filter or method would build")
@@ -210,7 +212,7 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
             self.check_size(self.weight(left) + self.weight(right), "a concatenation")
         if operator == "%" and isinstance(left, str):
             self.check_ints(right if isinstance(right, tuple) else (right,), "a format width")
-            self.check_output("format", left, (), {})
+            self.check_output("%", left, (right,), {})
         return super().call_binop(context, operator, left, right)
 
     def call(self, __context, __obj, *args, **kwargs):
@@ -223,10 +225,15 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         self.check_size(self.weight(out), "a call's output")
         return out
 
-    def wrap_str_format(self, value):   # the sandbox's own str.format: its widths, checked first
-        if isinstance(getattr(value, "__self__", None), str) and value.__name__ in ("format", "format_map"):
-            self.check_output("format", value.__self__, (), {})
-        return super().wrap_str_format(value)
+    def wrap_str_format(self, value):   # the sandbox's own str.format, its output checked first
+        f = super().wrap_str_format(value)
+        if f is None:
+            return None
+
+        def checked(*args, **kwargs):
+            self.check_output(value.__name__, value.__self__, args, kwargs)
+            return f(*args, **kwargs)
+        return checked
 
     def getattr(self, obj, attribute):
         self.tick()
@@ -244,6 +251,17 @@ class BoundedEnvironment(ImmutableSandboxedEnvironment):
         if self.iterations > MAX_ITERATIONS:
             raise TemplateBound(f"loops over more than {MAX_ITERATIONS:,} items")
         return r
+
+
+def format_specs(fmt: str, percent: bool) -> list[str]:
+    """The spec of each field of a format string ("%10.2f" -> "10.2", "{0:>10}" -> ">10"), one
+    per field; [] where it does not parse (formatting it then fails on its own)."""
+    if percent:
+        return [m[1] or "" for m in PERCENT_FIELD.finditer(fmt) if m[0] != "%%"]
+    try:
+        return [spec or "" for _, name, spec, _ in string.Formatter().parse(fmt) if name is not None]
+    except ValueError:
+        return []
 
 
 def listed(x):

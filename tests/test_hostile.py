@@ -245,7 +245,8 @@ HOSTILE_TEMPLATES = {
 
 # One C call that the deadline cannot stop, each within the bounds step by step, at a real
 # model's scale (a cap of 2^21 characters): before the fix, a sum of lists ran past 120 s, and
-# a join, a replace or a width inside a format string built 10^9-10^10 characters in one go.
+# a join, a replace, a width inside a format string or a field repeating a long argument
+# built 10^9-10^10 characters in one go.
 ONE_CALL_TEMPLATES = {
     "a sum of lists": "{{ [[1], [2]]|sum(start=[]) }}",
     "a repeated list of long strings": "{{ (['x' * 100000] * 100000)|tojson }}",
@@ -259,6 +260,8 @@ ONE_CALL_TEMPLATES = {
     "a huge wrap string, by position": "{{ ('x' * 100000)|wordwrap(1, True, 'y' * 100000) }}",
     "a width inside a % format": "{{ '%1000000000s' % 'a' }}",
     "a width inside str.format": "{{ '{:>1000000000}'.format('a') }}",
+    "str.format repeating a long argument": "{{ ('{0}' * 1000).format('x' * 2000000) }}",
+    "% repeating a long argument": "{{ ('%(a)s' * 1000) % {'a': 'x' * 2000000} }}",
 }
 
 

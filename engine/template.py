@@ -2,11 +2,12 @@
 
 Templates ship with downloaded weights. jinja2's sandbox stops them from running code, not
 from working without end, so here they are also bounded: big powers and products refused,
-`range` items counted over the whole render, a wall-clock limit, and the output, `~` joins,
-`+` concatenations, repeated sequences and width arguments capped by what the model's context
-could hold. Strings a filter builds (`join`) are bounded by the clock, not by size. Every
-failure, the template's own bugs included, is one ValueError line. A reader learning decoding
-may skip it.
+`range` items counted over the whole render, and a wall-clock limit. The clock cannot stop one
+C call, so every value a template builds is held to what the model's context could hold: the
+output, `~` joins, `+`, repeated sequences, widths, and each filter's and call's result; the
+calls that can multiply their input's size (join, replace, indent, a format's fields) are
+estimated and refused before they run. Every failure, the template's own bugs included, is one
+ValueError line. A reader learning decoding may skip it.
 """
 from __future__ import annotations
 
@@ -26,7 +27,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 RENDER_SECONDS = 2.0     # a chat template renders in milliseconds; seconds mean it loops
 MAX_INT_BITS = 4096      # integers a template may build; enough for any counter or id
 MAX_ITERATIONS = 10**6   # range() items per render, over all loops
-# calls whose output check_output estimates from their string; the format specs in a string
+# the calls whose output check_output estimates from their string (a format's, a separator...)
 STRING_CALLS = {"replace", "do_replace", "do_indent", "expandtabs", "do_wordwrap", "%", "do_format", "format",
                 "format_map", "join"}
 PERCENT_FIELD = re.compile(r"%%|%(?:\([^)]*\))?[-+ #0]*([\d.]*)")   # printf's: "%%" is no field

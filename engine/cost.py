@@ -6,8 +6,9 @@
 Each is measured on first use (a few seconds), kept in ~/.cache/engine/ and read back by every
 later run, so the prices fit the machine yet never move between runs: the same command, seed
 and machine print the same tokens on every path, the inexact ones (bf16, int4) included. A
-table can also be given (`load_table`: `python -m tools.bench --forward-cost`'s JSON); without
-one, the policy falls back to fixed slopes by matmul kind and CPU dispatch (policy.SLOPE).
+table can also be given (`load_table`: `python -m tools.bench --forward-cost`'s JSON). Where
+none can be kept (a read-only home), nothing is measured: the policy prices by fixed constants
+by matmul kind and CPU dispatch (policy.SLOPE, policy.DRAFT_COST), alike on every run.
 """
 from __future__ import annotations
 
@@ -98,19 +99,24 @@ def forward_seconds(model: Llama, cache: KVCache, start: int, k: int) -> float:
 
 
 def calibrated(model: Llama, folder: Path | None = None,
-               notify: Callable[[str], None] | None = None) -> dict[int, float]:
-    """This machine's table for this model, measured on first use and read back after (`kept`)."""
+               notify: Callable[[str], None] | None = None) -> dict[int, float] | None:
+    """This machine's table for this model, measured on first use and read back after (`kept`);
+    None where it cannot be kept (the policy then prices by policy.SLOPE)."""
     def table() -> dict:
         return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in measure(model).items()}}}
-    data, path = kept(f"{model_key(model)}|{ROW_COUNTS}", table, folder, notify)   # a new ROW_COUNTS measures anew
-    return table_from(data, path)
+    found = kept(f"{model_key(model)}|{ROW_COUNTS}", table, folder, notify)   # a new ROW_COUNTS measures anew
+    return None if found is None else table_from(*found)
 
 
 def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
-                notify: Callable[[str], None] | None = None) -> float:
-    """One draft token's cost in one-row target forwards on this machine, kept like the table."""
-    data, path = kept(f"draft|{model_key(target)}|{model_key(draft)}",
-                      lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify)
+                notify: Callable[[str], None] | None = None) -> float | None:
+    """One draft token's cost in one-row target forwards on this machine, kept like the table
+    (None where it cannot be kept: policy.DRAFT_COST then)."""
+    found = kept(f"draft|{model_key(target)}|{model_key(draft)}",
+                 lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify)
+    if found is None:
+        return None
+    data, path = found
     c = data.get("draft_cost") if isinstance(data, dict) else None
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.01 <= c <= 100:
         raise ValueError(f"{path}: draft_cost must be a number in [0.01, 100], got {c!r}")
@@ -141,30 +147,38 @@ def model_key(model: Llama) -> str:
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,
-         notify: Callable[[str], None] | None) -> tuple[dict, Path]:
+         notify: Callable[[str], None] | None) -> tuple[dict, Path] | None:
     """(measure()'s JSON object, where it is kept): measured once per key, then read back.
 
     Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), named by a hash of the key; the first
     writer wins a race, and every process uses the file as written. Delete it to measure
     again. `notify` hears one line when this call measured, so a CLI can say where it went.
+    None where nothing can be kept (a read-only home): the caller then prices by fixed
+    constants, since a measurement taken anew by every run would let runs print apart.
     """
     folder = folder or cache_home() / "engine"
     path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
-    if not path.is_file():                             # seconds, once per machine and model
-        data = json.dumps({"key": key, **measure()}).encode()
-        try:
-            folder.mkdir(parents=True, exist_ok=True)
-            tmp = path.with_name(f".{path.name}.{os.getpid()}")
-            tmp.write_bytes(data)
-            with contextlib.suppress(FileExistsError):
-                os.link(tmp, path)                     # subtle: fails if another process won
-                if notify:
-                    # subtle: a busy spell makes every k-row forward look dear, for good
-                    notify(f"measured this machine's forward costs into {path}; every later "
-                           "run reads them back (delete it to measure again, on an idle machine)")
+    if path.is_file():
+        return read_json(path), path
+    tmp = path.with_name(f".{path.name}.{os.getpid()}")
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        with open(tmp, "wb") as f:                     # opened first: a read-only home measures nothing
+            f.write(json.dumps({"key": key, **measure()}).encode())   # seconds, once per machine
+        with contextlib.suppress(FileExistsError):
+            os.link(tmp, path)                         # subtle: fails if another process won
+            if notify:
+                # subtle: a busy spell makes every k-row forward look dear, for good
+                notify(f"measured this machine's forward costs into {path}; every later "
+                       "run reads them back (delete it to measure again, on an idle machine)")
+    except OSError as e:
+        if notify:
+            notify(f"cannot keep this machine's forward costs in {folder} ({e.strerror or e}): "
+                   "priced by fixed constants instead (set XDG_CACHE_HOME to a writable folder)")
+        return None
+    finally:
+        with contextlib.suppress(OSError):
             tmp.unlink()
-        except OSError:                                # a read-only home: measured, not kept
-            return json.loads(data), path
     return read_json(path), path
 
 

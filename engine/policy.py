@@ -268,7 +268,8 @@ def costs(target: Llama, draft: Llama | SelfDraft,
           prices: Prices = Prices()) -> tuple[float, Callable[[int], float], float]:
     """(cost of one draft token, K -> cost of the verifying forward, prior alpha), in units of a
     one-row target forward. Without a measured `prices.draft`, a draft of the target's own
-    shapes in 4 bits costs DRAFT_COST by CPU dispatch, another one its share of parameters.
+    shapes in 4 bits costs DRAFT_COST by CPU dispatch (1 if the target is 4-bit too), another
+    one its share of parameters.
 
     The prior: a self-draft or a foreign draft 1/2; a copy of the target in fewer bits 0.9
     (4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md).
@@ -280,10 +281,11 @@ def costs(target: Llama, draft: Llama | SelfDraft,
         return lower + head, lambda k: lower + (1 - lower) * rows(k + 1), 0.5
     kind, copy = type(draft.layers[0].feed_forward.w13).__name__, four_bit_copy(target, draft)
     c = prices.draft
-    if c is None:
-        size = lambda m: sum(p.numel() for p in m.parameters())
-        c = DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6) if copy \
-            else size(draft) / size(target)
+    if c is None and copy:   # unmeasured: by CPU dispatch; a 4-bit target's own copy is one target row
+        same = kind == type(target.layers[0].feed_forward.w13).__name__
+        c = 1.0 if same else DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6)
+    elif c is None:
+        c = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
     return c, lambda k: rows(k + 1), 0.9 if copy else 0.5
 
 

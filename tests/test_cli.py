@@ -304,3 +304,15 @@ def test_the_first_run_says_where_it_kept_the_cost_table_and_later_runs_do_not(t
         assert main(argv) == 0
         notes.append([l for l in capsys.readouterr().err.splitlines() if l.startswith("note: measured")])
     assert len(notes[0]) == 1 and str(tmp_path / "engine") in notes[0][0] and notes[1] == []
+
+
+@real
+def test_a_home_that_cannot_keep_the_table_prices_by_constants_and_says_so(tmp_path, monkeypatch, capsys):
+    # why: measured anew by every run, the prices (and on --int4 the tokens) could move from one
+    # run of a command to the next; where nothing can be kept, nothing is measured
+    (tmp_path / "file").write_text("")
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
+    monkeypatch.setattr("engine.cost.measure", lambda m: pytest.fail("measured where nothing can be kept"))
+    assert main(["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]) == 0
+    notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note: ")]
+    assert len(notes) == 1 and "cannot keep" in notes[0] and "fixed constants" in notes[0]

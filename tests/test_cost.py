@@ -130,6 +130,25 @@ def test_a_lost_race_to_write_the_table_uses_the_winners(tmp_path, monkeypatch):
     assert cost.calibrated(model, tmp_path) == winner   # it measured, lost the race, read the file
 
 
+def test_where_nothing_can_be_kept_nothing_is_measured_and_every_run_prices_alike(tmp_path, monkeypatch):
+    # Why: a read-only home would make every run measure anew, and on an inexact path (int4,
+    # bf16) another price moves the tokens: one command would print apart from run to run.
+    # So nothing is measured there; the policy prices by its fixed constants, and says so.
+    from engine.draft import int4_copy
+    target = tiny_llama(0, hidden=64)
+    (tmp_path / "file").write_text("")
+    unkeepable = tmp_path / "file" / "engine"    # not a folder, even for root (chmod is not)
+    monkeypatch.setattr(cost, "measure", lambda m: pytest.fail("measured where nothing can be kept"))
+    monkeypatch.setattr(cost, "measure_draft", lambda t, d: pytest.fail("measured where nothing can be kept"))
+    heard = []
+    assert cost.calibrated(target, unkeepable, heard.append) is None
+    assert cost.draft_price(target, int4_copy(target), unkeepable, heard.append) is None
+    assert len(heard) == 2 and all("cannot keep" in h and "fixed constants" in h for h in heard)
+    assert list(tmp_path.iterdir()) == [tmp_path / "file"]          # and no stray temporary file
+    # the broken variant, measuring and pricing with what it measured, prices each run apart
+    # (above: it would have called measure, which fails the test)
+
+
 def test_a_draft_price_is_measured_once_and_read_back(tmp_path, monkeypatch):
     # Why: --draft int4's K is priced with this machine's draft/target ratio; like the table, it
     # is measured once and kept, so two runs of one command price alike and print alike.

@@ -121,6 +121,7 @@ def test_a_4bit_copy_is_priced_as_a_close_draft_and_drafts_from_the_first_step()
     assert prior == 0.9 and c_draft == policy.DRAFT_COST.get(("Int4Linear", dispatch), 0.6)
     assert c_verify(7) == pytest.approx(1.2)
     assert policy.costs(target, int4_copy(target), Prices(draft=0.3))[0] == 0.3   # measured wins
+    assert policy.costs(int4_copy(target), int4_copy(target))[0] == 1.0   # a 4-bit target's own copy
     assert policy.costs(target, tiny_llama(2, hidden=64))[2] == 0.5     # same shapes, not a copy
     draft = int4_copy(target)
     steps = speculative.decode(target, draft, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=8,

@@ -17,7 +17,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.invariant import MOST_ROWS, invariant_attention
+from engine.invariant import MOST_ROWS, row_attention
 from engine.llama import Llama
 
 
@@ -123,7 +123,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
     batch_invariant: a row's outputs never depend on how many rows shared its forward: every
     matmul call takes 2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), and on bf16
-    (bf16, --int4) and fp32 attention is engine/invariant.py's `invariant_attention`. There, with torch's int4
+    (bf16, --int4) and fp32 attention is engine/invariant.py's `row_attention`. There, with torch's int4
     kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
     Off by default: it makes a one-row step slower (docs/speed.md).
     """
@@ -132,7 +132,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     m = 2 if batch_invariant else 1
     if batch_invariant and model.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float32):
         for block in model.layers:
-            block.attention.attend = invariant_attention
+            block.attention.attend = row_attention
     if not can_prepack(model.tok_embeddings.weight):
         return model
     swap_projections(model, lambda weight: PackedLinear(weight, m))

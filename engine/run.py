@@ -35,7 +35,7 @@ from engine.cost import load_table
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, generate
-from engine.invariant import invariant_attention, rows_round_alike
+from engine.invariant import row_attention, rows_round_alike
 from engine.packed import CPU_ONLY
 from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
@@ -320,7 +320,7 @@ def run(args) -> dict:
     # the call's shape; in bf16 the matmuls too), so a decoder that verifies k rows may leave
     # plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4 often.
     # --batch-invariant makes every kernel row-invariant (engine/invariant.py), probed on this CPU
-    exact = model.layers[0].attention.attend is invariant_attention and rows_round_alike(model)
+    exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model)
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,

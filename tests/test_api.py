@@ -49,9 +49,9 @@ def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
 
 def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
     # Why: batch_invariant is the API's --batch-invariant; fp32 rows then round alike, bit for bit
-    from engine.invariant import invariant_attention, rows_round_alike
+    from engine.invariant import row_attention, rows_round_alike
     llm = Engine.load(ckpt, batch_invariant=True)
-    assert llm.model.layers[0].attention.attend is invariant_attention and rows_round_alike(llm.model)
+    assert llm.model.layers[0].attention.attend is row_attention and rows_round_alike(llm.model)
     want = list(llm.tokens("the the the", max_new_tokens=16))
     for decoder in ("lookahead", "lookup", "speculative"):
         kw = {"second": 1} if DECODERS[decoder].second else {}

@@ -151,7 +151,7 @@ def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
     # Why: on --int4 a k-row forward used to round a row apart from plain's one-row forward, so
     # decoders left plain's tokens (4 prompts in 10 kept them). With --batch-invariant every
     # kernel rounds a row alike however many share the call (int4 matmuls, the head, and
-    # invariant.invariant_attention), so the 4-bit path is exact against its own plain, here and
+    # invariant.row_attention), so the 4-bit path is exact against its own plain, here and
     # under the second kernel dispatch of `make test`.
     decoder = GREEDY_DECODERS.get(name, ["--decoder", name])
     for prompt in (PROMPT, "List five fruits and their colours."):
@@ -167,7 +167,7 @@ def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
 def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
     # Why: fp32's SDPA rounds a verified row ~1e-4 of a logit apart from plain's one row, so the
     # default fp32 path is called near-exact; --batch-invariant makes fp32 row-exact (attention
-    # by invariant.invariant_attention), and there every decoder prints plain's tokens, bit for bit
+    # by invariant.row_attention), and there every decoder prints plain's tokens, bit for bit
     argv = ["--prompt", PROMPT, "--max-new-tokens", "16", "--no-adaptive"]   # textbook loops: no pricing
     default = run_json(argv + ["--decoder", "lookup"], capsys)
     assert not default["exact_path"] and default["near_exact"]

@@ -38,7 +38,7 @@ from torch import Tensor, nn
 
 from engine.kvcache import KVCache
 from engine.llama import Block, Llama
-from engine.invariant import invariant_attention
+from engine.invariant import row_attention
 
 # cpp_wrapper: the graph's kernels are called from C++, not from generated Python
 OPTIONS = {"cpp_wrapper": True}
@@ -126,12 +126,13 @@ def compile_model(model: Llama, notify: Callable[[str], None], trimmed: bool = F
     model; on any failure, one notice through `notify` and the eager model. Call it last,
     after prepack: the graphs depend on the kernels the blocks hold.
 
-    The exact path stays eager (one notice): invariant_attention chooses which keys to gather
-    from the mask's data, which a graph cannot, and its traced form (every masked row gathering
-    all its keys) met a dynamo guard that reused a graph at the wrong key count."""
-    if model.layers[0].attention.attend is invariant_attention:
+    The exact path stays eager (one notice): row_attention reads the mask's data to choose
+    each row's keys, which a graph cannot (an earlier exact attention's traced form, every
+    masked row gathering all its keys, met a dynamo guard that reused a graph at the wrong key
+    count)."""
+    if model.layers[0].attention.attend is row_attention:
         notify("compile: the exact path (--batch-invariant) runs eager: its attention reads "
-               "the mask to choose its blocks (tools/compiled.py)")
+               "the mask to choose each row's keys (tools/compiled.py)")
         return model
     blocks = list(model.layers)
     try:

@@ -7,7 +7,7 @@
         print(text, end="", flush=True)
     print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
 
-`Engine.load(path, int4=True, batch_invariant=True)` is the CLI's exact 4-bit path (`build`).
+`Engine.load(path, int4=True)` is the CLI's `--int4`, exact by default as there (`build`).
 `decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
 `adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced as the
@@ -27,7 +27,7 @@ from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
 from engine.llama import Llama
-from engine.packed import prepack, quantize_int4
+from engine.packed import exact_by_default, prepack, quantize_int4
 from engine.policy import Prices, four_bit_copy
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -35,17 +35,20 @@ from engine.weights import default_checkpoint, load_model
 
 
 def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu", int4: bool = False,
-          packed: bool = True, batch_invariant: bool = False) -> Llama:
+          packed: bool = True, batch_invariant: bool | None = None) -> Llama:
     """The model as the CLI loads it: on `device` (cpu, cuda[:N]) in `dtype`; int4: --int4, the
     layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
     the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU only),
-    every decoder's tokens plain's bit for bit (fp32, bf16, int4)."""
+    every decoder's tokens plain's bit for bit (fp32, bf16, int4); None, as the CLI: on where
+    it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default)."""
     device = check_device(device)
     if int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
         model = quantize_int4(load_model(checkpoint, device, torch.float32))
     else:
         model = load_model(checkpoint, device, dtype)
-    return prepack(model, batch_invariant) if packed else model
+    if not packed:
+        return model
+    return prepack(model, exact_by_default(model) if batch_invariant is None else batch_invariant)
 
 
 def check_device(name, what: str = "device") -> torch.device:
@@ -81,7 +84,7 @@ class Engine:
 
     @classmethod
     def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             int4: bool = False, packed: bool = True, batch_invariant: bool = False) -> Engine:
+             int4: bool = False, packed: bool = True, batch_invariant: bool | None = None) -> Engine:
         """A checkpoint directory (default: `make weights`' model) loaded as `build` does."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
         return cls(build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed,

@@ -125,7 +125,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     matmul call takes 2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), and on bf16
     (bf16, --int4) and fp32 attention is engine/invariant.py's `row_attention`. There, with torch's int4
     kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
-    Off by default: it makes a one-row step slower (docs/speed.md).
+    On by default for bf16 and 4-bit models (`exact_by_default`), a flag for fp32.
     """
     if batch_invariant and model.tok_embeddings.weight.device.type != "cpu":
         raise ValueError(CPU_ONLY)
@@ -142,6 +142,16 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     else:  # the embedding table stays for lookups; the head reads its packed copy
         model.packed_head = PackedLinear(model.tok_embeddings.weight, m)
     return model
+
+
+def exact_by_default(model: Llama) -> bool:
+    """Whether prepack's batch_invariant is on by default: where it costs a one-row step
+    nothing measurable, bf16 and 4-bit models on a CPU whose oneDNN takes bf16 (their one-row
+    matmuls already take the kernel k rows take: int4's, or bf16's sent as two rows at no
+    measured cost; attention is plain's SDPA). fp32 sends one row as two through a dearer
+    kernel (~9% a step here: docs/speed.md, run 13), so it stays a flag."""
+    w = model.tok_embeddings.weight
+    return w.dtype == torch.bfloat16 and can_prepack(w)
 
 
 def can_prepack(w: Tensor) -> bool:

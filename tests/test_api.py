@@ -59,8 +59,9 @@ def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
 
 
 def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
-    # Why: Engine.load(int4=True) is the API's --int4 --dtype bfloat16: the same 4-bit layers,
-    # so one prompt gives the CLI's tokens; with batch_invariant, every decoder gives its plain's
+    # Why: Engine.load(int4=True) is the API's --int4 --dtype bfloat16: the same 4-bit layers
+    # and, by default as there, the exact kernels, so one prompt gives the CLI's tokens and
+    # every decoder gives its plain's
     from engine.invariant import rows_round_alike
     from engine.packed import Int4Linear
     argv = ["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "12", "--int4",
@@ -70,7 +71,7 @@ def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
     llm = Engine.load(ckpt, int4=True)
     assert isinstance(llm.model.layers[0].feed_forward.w13, Int4Linear)
     assert list(llm.tokens("the the", max_new_tokens=12)) == cli["tokens"]
-    exact = Engine.load(ckpt, int4=True, batch_invariant=True)
+    exact = llm
     if not rows_round_alike(exact.model):   # as the CLI's exact claim, it rests on this CPU's probe
         pytest.skip("invariant.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
     want = list(exact.tokens("the the the", max_new_tokens=16))
@@ -100,13 +101,13 @@ def test_a_policy_reads_the_prices_the_cli_gives_it(ckpt, monkeypatch, capsys):
 @pytest.mark.parametrize("decoder", ["lookup", "lookahead"])
 def test_int4_adaptive_decoders_print_the_clis_tokens(decoder, capsys):
     # Why: the same prompt, decoder and path through the API and the CLI is one answer, also
-    # where k-row forwards round apart (int4) and the policy's prices choose the rows (here, a
-    # lookup priced by fixed slopes left the CLI's tokens at the 6th)
+    # where k-row forwards round apart (int4 without its exact kernels) and the policy's prices
+    # choose the rows (here, a lookup priced by fixed slopes left the CLI's tokens at the 6th)
     prompt = "Write a short story about a robot who learns to paint."
     assert main(["--prompt", prompt, "--max-new-tokens", "48", "--int4", "--dtype", "bfloat16",
-                 "--decoder", decoder, "--json"]) == 0
+                 "--no-batch-invariant", "--decoder", decoder, "--json"]) == 0
     cli = json.loads(capsys.readouterr().out)
-    llm = Engine.load(int4=True, dtype=torch.bfloat16)
+    llm = Engine.load(int4=True, dtype=torch.bfloat16, batch_invariant=False)
     assert list(llm.tokens(prompt, decoder=decoder, max_new_tokens=48)) == cli["tokens"]
 
 

@@ -141,18 +141,18 @@ def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, ca
     assert out["draft"] == want and (out["draft_mb"] > 0) == (want == "int4")
 
 
-INT4_EXACT = ["--int4", "--dtype", "bfloat16", "--batch-invariant"]
+INT4_EXACT = ["--int4", "--dtype", "bfloat16"]   # exact by default: --batch-invariant is on for bf16 and int4
 
 
 @real
 @pytest.mark.parametrize("name", ["lookahead", "lookahead trimmed", "speculative", "speculative coupled",
                                   "contrastive beta=0", "lookup"])
-def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
+def test_int4_decoders_print_int4_plains_tokens_by_default(name, capsys):
     # Why: on --int4 a k-row forward used to round a row apart from plain's one-row forward, so
-    # decoders left plain's tokens (4 prompts in 10 kept them). With --batch-invariant every
-    # kernel rounds a row alike however many share the call (int4 matmuls, the head, and
-    # invariant.row_attention), so the 4-bit path is exact against its own plain, here and
-    # under the second kernel dispatch of `make test`.
+    # decoders left plain's tokens (4 prompts in 10 kept them). Now every kernel rounds a row
+    # alike however many share the call (int4 matmuls, the head, and invariant.row_attention),
+    # by default, so the 4-bit path is exact against its own plain, here and under the second
+    # kernel dispatch of `make test`.
     decoder = GREEDY_DECODERS.get(name, ["--decoder", name])
     for prompt in (PROMPT, "List five fruits and their colours."):
         argv = ["--prompt", prompt, "--max-new-tokens", "40"] + INT4_EXACT
@@ -161,6 +161,22 @@ def test_batch_invariant_int4_decoders_print_int4_plains_tokens(name, capsys):
             pytest.skip("invariant.rows_round_alike: this CPU's 4-bit kernels round a row by row count")
         other = run_json(argv + decoder, capsys)
         assert other["tokens"] == plain["tokens"] and other["exact_path"]
+
+
+@real
+def test_bf16_and_int4_are_exact_by_default_and_say_so_only_without_the_flag(capsys):
+    # Why: the exact kernels cost a bf16 or 4-bit one-row step nothing measurable (plain's step
+    # is SDPA either way), so they are the default there; --no-batch-invariant turns them off,
+    # and then the stats line says the tokens may leave plain's
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "24", "--dtype", "bfloat16", "--no-adaptive"]
+    for path in ([], ["--int4"]):
+        plain = run_json(argv + path, capsys)
+        if not plain["exact_path"]:
+            pytest.skip("invariant.rows_round_alike: this CPU's bf16 kernels round a row by row count")
+        look = run_json(argv + path + ["--decoder", "lookahead"], capsys)
+        assert look["tokens"] == plain["tokens"] and "tokens may differ" not in stats_line(look)
+        off = run_json(argv + path + ["--decoder", "lookahead", "--no-batch-invariant"], capsys)
+        assert not off["exact_path"] and "tokens may differ" in stats_line(off)
 
 
 @real
@@ -180,7 +196,7 @@ def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
 
 
 @real
-def test_batch_invariant_int4_speculative_sampling_is_plains_with_the_seed(capsys):
+def test_int4_speculative_sampling_is_plains_with_the_seed(capsys):
     # Why: coupled verification promises plain sampling's tokens for the seed; on the exact
     # 4-bit path that promise now holds too
     argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "2"] + INT4_EXACT

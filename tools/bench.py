@@ -28,13 +28,13 @@ from pathlib import Path
 import torch
 
 from tools.compiled import compile_model
-from engine.api import prices as api_prices
+from engine.api import build, prices as api_prices
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
-from engine.packed import prepack, quantize_int4
+from engine.packed import exact_by_default, prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from engine.weights import DTYPES
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
@@ -229,8 +229,7 @@ CONFIGS = {
 # int4 draft (`speculative int4 adaptive`, what --draft auto takes where it pays)
 DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 # a config is compared with plain, unless it runs on another model: then with plain on that one
-BASELINE = {"lookahead auto --int4": "plain --int4",
-            "lookahead auto --int4 --batch-invariant": "plain --int4 --batch-invariant"}
+BASELINE = {"lookahead auto --int4": "plain --int4"}
 
 
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
@@ -601,7 +600,7 @@ def run(args: argparse.Namespace) -> dict:
     if args.int4:
         model = quantize_int4(model)                # from fp32, so Q4_1 grids come back exactly
     naive = twin(model) if args.naive else None
-    engine = prepack(model)  # the engine's default linear path (nn.Linear where it cannot pack)
+    engine = prepack(model, exact_by_default(model))  # the CLI's default path (nn.Linear where it cannot pack)
     result["linear"] = type(engine.layers[0].attention.wqkv).__name__
     if args.forward_cost:
         models = {"engine": engine} | ({"naive": naive} if naive is not None else {})
@@ -627,21 +626,21 @@ def run(args: argparse.Namespace) -> dict:
         hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
                           required=args.hf_python is not None, device=str(args.device))
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
-            # the inexact --int4 mode as one more row: its speed, and how often it agrees
-            q = prepack(quantize_int4(load_model(args.checkpoint)))
-            configs["plain --int4"] = lambda p: decode_once(q, p, CONFIGS["plain"], args.max_new_tokens, eos)
-            # the exact 4-bit path, where every decoder prints int4 plain's tokens: its speed counts
-            qx = prepack(quantize_int4(load_model(args.checkpoint)), batch_invariant=True)
-            configs["plain --int4 --batch-invariant"] = lambda p: decode_once(qx, p, CONFIGS["plain"],
-                                                                              args.max_new_tokens, eos)
-            configs["lookahead auto --int4 --batch-invariant"] = lambda p: decode_once(
-                qx, p, CONFIGS["lookahead auto"], args.max_new_tokens, eos)
+            # --int4 as the CLI runs it: the exact path by default, where every decoder prints
+            # int4 plain's tokens, so its speed counts; and without it (--no-batch-invariant)
+            qx = build(args.checkpoint, dtype=torch.bfloat16, int4=True)
+            configs["plain --int4"] = lambda p: decode_once(qx, p, CONFIGS["plain"], args.max_new_tokens, eos)
+            configs["lookahead auto --int4"] = lambda p: decode_once(qx, p, CONFIGS["lookahead auto"],
+                                                                     args.max_new_tokens, eos)
+            q = build(args.checkpoint, dtype=torch.bfloat16, int4=True, batch_invariant=False)
+            configs["plain --int4 --no-batch-invariant"] = lambda p: decode_once(q, p, CONFIGS["plain"],
+                                                                                 args.max_new_tokens, eos)
             if args.compile:   # the (inexact) 4-bit path through tools/compiled.py, opt-in
                 qi = compile_model(prepack(quantize_int4(load_model(args.checkpoint))), notify=progress)
                 configs["plain --int4 --compile"] = lambda p: decode_once(qi, p, CONFIGS["plain"], args.max_new_tokens, eos)
-            # the same 4-bit model as speculative's draft, the fp32 target deciding: fp32's tokens
-            configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))
-            result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)
+            # the same 4-bit model as speculative's draft (--draft int4), the fp32 target deciding: fp32's tokens
+            configs["speculative int4 adaptive"] = ("speculative", qx, dict(adaptive=True))
+            result["int4_draft_mb"] = round(resident_bytes(qx) / 2**20, 1)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
         if args.llama_cpp:

@@ -66,7 +66,8 @@ def fidelity(reference: Llama, mode: Llama, pairs: list[tuple[list[int], list[in
 
 
 def modes(checkpoint: Path) -> dict[str, Llama]:
-    """The inexact modes the CLI offers, built as engine.run builds them."""
+    """The inexact modes the CLI offers: 4-bit with its default --batch-invariant kernels and
+    without them (--no-batch-invariant), and bf16."""
     from engine.weights import load_model
     return {"int4 (4-bit layers, bf16)": prepack(quantize_int4(load_model(checkpoint))),
             "int4 --batch-invariant": prepack(quantize_int4(load_model(checkpoint)), batch_invariant=True),

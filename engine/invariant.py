@@ -32,46 +32,52 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = No
     SDPA over all T rows at once is not that: its CPU kernel walks queries and keys in blocks
     whose bounds follow the call's shape, and it adds a mask, so a verified row (one of k,
     masked, its keys beside other rows' keys) rounds apart from plain's one-row step, in fp32
-    as in bf16 (tests/test_invariant.py). A one-row call costs what plain's step costs.
-    - a row whose keys are slots [0, n): a view of the cache, no copy (a plain step, a
-      prompt's rows, speculative's and lookup's chains, lookahead's copy);
-    - a row with gaps (lookahead's tree: other rows' keys between its own): the keys every
-      row sees, [0, f), copied once into `keys` beside room for the rest; each gapped row
-      writes its own keys past f there (rows in the order of their key lists, so that a
-      row after its parent writes one key) and attends to that buffer's first keys.
+    as in bf16 (tests/test_invariant.py). A one-row step is SDPA's call as it is; a k-row
+    forward pays k calls per layer (docs/speed.md, run 13).
+    - a row whose keys are slots [0, n) attends to a view of the cache, no copy (a plain step,
+      a prompt's rows, speculative's and lookup's chains, lookahead's copy);
+    - a row with gaps (lookahead's tree: other rows' keys between its own): `gapped_rows`.
     """
-    B, H, T, D = q.shape
-    if attn_mask is None and T == 1:                                  # plain's step: SDPA as it is
-        return F.scaled_dot_product_attention(q, k, v, enable_gqa=True)
-    if attn_mask is None:   # every row sees every key
+    T, sdpa = q.shape[2], F.scaled_dot_product_attention
+    if attn_mask is None and T == 1:                                  # plain's step
+        return sdpa(q, k, v, enable_gqa=True)
+    if attn_mask is None:                                             # every row sees every key
         attn_mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device)
-    seen = attn_mask.sum(1)                                           # (T,) keys each row sees
-    lead = attn_mask.cumprod(1).sum(1)                                # (T,) of them, leading from slot 0
-    f = int(lead.min())                                               # keys [0, f) every row sees
-    rest = {r: [] for r, (n, m) in enumerate(zip(seen.tolist(), lead.tolist())) if n != m}
-    for r, j in attn_mask[:, f:].nonzero().tolist() if rest else ():
-        if r in rest:
-            rest[r].append(f + j)                                     # a gapped row's keys past f, in slot order
-    y = [None] * T
-    for r, n in enumerate(seen.tolist()):
-        if r not in rest:
-            y[r] = F.scaled_dot_product_attention(q[:, :, r:r + 1], k[:, :, :n], v[:, :, :n], enable_gqa=True)
-    if rest:
-        longest = max(map(len, rest.values()))
-        kv = [torch.empty(B, x.shape[1], f + longest, D, dtype=x.dtype, device=x.device) for x in (k, v)]
-        for buf, x in zip(kv, (k, v)):
-            buf[:, :, :f] = x[:, :, :f]                               # (B, Hkv, f, D), once per call
-        held: list[int] = []                                          # slots now at kv[:, :, f:]
-        for r, mine in sorted(rest.items(), key=lambda item: item[1]):
-            same = next((i for i, (a, b) in enumerate(zip(held, mine)) if a != b), min(len(held), len(mine)))
-            if same < len(mine):                                      # write only what the last row lacks
-                at = torch.tensor(mine[same:], device=q.device)
-                for buf, x in zip(kv, (k, v)):
-                    buf[:, :, f + same:f + len(mine)] = x[:, :, at]
-            held = mine
-            n = f + len(mine)
-            y[r] = F.scaled_dot_product_attention(q[:, :, r:r + 1], kv[0][:, :, :n], kv[1][:, :, :n], enable_gqa=True)
+    seen = attn_mask.sum(1).tolist()                                  # keys each row sees
+    lead = attn_mask.cumprod(1).sum(1).tolist()                       # of them, leading from slot 0
+    rows = q.split(1, 2)                                              # T x (B, H, 1, D)
+    y = [sdpa(x, k.narrow(2, 0, n), v.narrow(2, 0, n), enable_gqa=True) if n == m else None
+         for x, n, m in zip(rows, seen, lead)]
+    for r, keys, values in gapped_rows(k, v, attn_mask, min(lead), [r for r in range(T) if y[r] is None]):
+        y[r] = sdpa(rows[r], keys, values, enable_gqa=True)
     return torch.cat(y, 2)                                            # (B, H, T, D)
+
+
+def gapped_rows(k: Tensor, v: Tensor, mask: Tensor, f: int, rows: list[int]):
+    """(row, its keys, its values) for each row of `rows`, whose visible keys have gaps: the
+    keys every row sees, [0, f), copied once into a buffer, then the row's own keys past f,
+    in slot order. Rows go in the order of their key lists, so a row after its parent
+    writes one key (what the last row wrote stays where the two lists agree)."""
+    if not rows:
+        return
+    mine = {r: [] for r in rows}
+    for r, j in mask[:, f:].nonzero().tolist():
+        if r in mine:
+            mine[r].append(f + j)                                     # slots past f, in slot order
+    B, Hkv, _, D = k.shape
+    bufs = [torch.empty(B, Hkv, f + max(map(len, mine.values())), D, dtype=k.dtype, device=k.device)
+            for _ in (k, v)]                                          # (B, Hkv, f + most, D) each
+    for buf, x in zip(bufs, (k, v)):
+        buf[:, :, :f] = x[:, :, :f]
+    held: list[int] = []                                              # slots now at bufs[:, :, f:]
+    for r, slots in sorted(mine.items(), key=lambda item: item[1]):
+        same = next((i for i, (a, b) in enumerate(zip(held, slots)) if a != b), min(len(held), len(slots)))
+        if same < len(slots):
+            at = torch.tensor(slots[same:], device=k.device)
+            for buf, x in zip(bufs, (k, v)):
+                buf[:, :, f + same:f + len(slots)] = x[:, :, at]
+        held, n = slots, f + len(slots)
+        yield r, bufs[0][:, :, :n], bufs[1][:, :, :n]
 
 
 def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:

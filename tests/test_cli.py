@@ -164,19 +164,19 @@ def test_int4_decoders_print_int4_plains_tokens_by_default(name, capsys):
 
 
 @real
-def test_bf16_and_int4_are_exact_by_default_and_say_so_only_without_the_flag(capsys):
+@pytest.mark.parametrize("path", [["--int4"], []], ids=["int4", "bf16"])   # make test's 2nd dispatch: int4 only
+def test_4bit_and_bfloat16_paths_are_exact_by_default_and_say_so_only_without_the_flag(path, capsys):
     # Why: the exact kernels cost a bf16 or 4-bit one-row step nothing measurable (plain's step
     # is SDPA either way), so they are the default there; --no-batch-invariant turns them off,
     # and then the stats line says the tokens may leave plain's
-    argv = ["--prompt", PROMPT, "--max-new-tokens", "24", "--dtype", "bfloat16", "--no-adaptive"]
-    for path in ([], ["--int4"]):
-        plain = run_json(argv + path, capsys)
-        if not plain["exact_path"]:
-            pytest.skip("invariant.rows_round_alike: this CPU's bf16 kernels round a row by row count")
-        look = run_json(argv + path + ["--decoder", "lookahead"], capsys)
-        assert look["tokens"] == plain["tokens"] and "tokens may differ" not in stats_line(look)
-        off = run_json(argv + path + ["--decoder", "lookahead", "--no-batch-invariant"], capsys)
-        assert not off["exact_path"] and "tokens may differ" in stats_line(off)
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "24", "--dtype", "bfloat16", "--no-adaptive"] + path
+    plain = run_json(argv, capsys)
+    if not plain["exact_path"]:
+        pytest.skip("invariant.rows_round_alike: this CPU's bf16 kernels round a row by row count")
+    look = run_json(argv + ["--decoder", "lookahead"], capsys)
+    assert look["tokens"] == plain["tokens"] and "tokens may differ" not in stats_line(look)
+    off = run_json(argv + ["--decoder", "lookahead", "--no-batch-invariant"], capsys)
+    assert not off["exact_path"] and "tokens may differ" in stats_line(off)
 
 
 @real

@@ -69,7 +69,8 @@ def prices(model: Llama, second=None, table: dict | None = None, draft: float | 
     """The policy's prices, for the CLI and the API alike: `table` or this machine's k-row costs
     for `model`, and `draft` or, for a 4-bit copy of it, that draft's measured price; each
     measured on first use and kept (engine/cost.py, `notify` hears where). On an inexact path
-    (int4, bf16) a price moves the tokens too, so both must read the same."""
+    (int4 or bf16 without their exact kernels) a price moves the tokens too, so both must read
+    the same."""
     table = calibrated(model, notify=notify) if table is None else table
     if draft is None and four_bit_copy(model, second):
         draft = draft_price(model, second, notify=notify)

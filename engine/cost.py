@@ -5,7 +5,8 @@
 
 Each is measured on first use (a few seconds), kept in ~/.cache/engine/ and read back by every
 later run, so the prices fit the machine yet never move between runs: the same command, seed
-and machine print the same tokens on every path, the inexact ones (bf16, int4) included. A
+and machine print the same tokens on every path, the inexact ones (bf16 or int4 without their
+exact kernels, bf16 on CUDA) included. A
 table can also be given (`load_table`: `python -m tools.bench --forward-cost`'s JSON). Where
 none can be kept (a read-only home), nothing is measured: the policy prices by fixed constants
 by matmul kind and CPU dispatch (policy.SLOPE, policy.DRAFT_COST), alike on every run.
@@ -165,12 +166,18 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
         folder.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:                     # opened first: a read-only home measures nothing
             f.write(json.dumps({"key": key, **measure()}).encode())   # seconds, once per machine
-        with contextlib.suppress(FileExistsError):
+        try:
             os.link(tmp, path)                         # subtle: fails if another process won
-            if notify:
-                # subtle: a busy spell makes every k-row forward look dear, for good
-                notify(f"measured this machine's forward costs into {path}; every later "
-                       "run reads them back (delete it to measure again, on an idle machine)")
+        except FileExistsError:
+            return read_json(path), path
+        except OSError:                                # a file system without hard links:
+            if path.exists():                          # rename (atomic too), unless one won
+                return read_json(path), path
+            os.rename(tmp, path)
+        if notify:
+            # subtle: a busy spell makes every k-row forward look dear, for good
+            notify(f"measured this machine's forward costs into {path}; every later "
+                   "run reads them back (delete it to measure again, on an idle machine)")
     except OSError as e:
         if notify:
             notify(f"cannot keep this machine's forward costs in {folder} ({e.strerror or e}): "

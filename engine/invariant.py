@@ -24,10 +24,11 @@ MOST_ROWS = 32   # rows per batch-invariant matmul call (packed.PackedLinear): o
 
 def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
                   enable_gqa: bool = True) -> Tensor:
-    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for q (B, H, T, D), k, v (B, Hkv, S, D), each
-    query row computed alone over its own visible keys, in slot order, with no mask: the very
-    call plain decoding makes for that row. So a row's bits depend on its query and its keys
-    only, never on the other rows of the forward or on keys it may not see.
+    """SDPA's softmax(q k^T / sqrt(D) + log mask) v for q (B, H, T, D), k, v (B, Hkv, S, D) and a
+    bool attn_mask (T, S) shared by the batch (True = may attend), grouped-query always: each
+    query row computed alone over its own visible keys, in slot order, with no mask, as plain
+    decoding computes that row in its one-row step. So a row's bits depend on its query and its
+    keys' values only, never on the other rows of the forward or on keys it may not see.
 
     SDPA over all T rows at once is not that: its CPU kernel walks queries and keys in blocks
     whose bounds follow the call's shape, and it adds a mask, so a verified row (one of k,
@@ -43,12 +44,15 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = No
         return sdpa(q, k, v, enable_gqa=True)
     if attn_mask is None:                                             # every row sees every key
         attn_mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device)
+    S = attn_mask.shape[1]
     seen = attn_mask.sum(1).tolist()                                  # keys each row sees
-    lead = attn_mask.cumprod(1).sum(1).tolist()                       # of them, leading from slot 0
+    # of them, leading from slot 0: up to the row's first masked key (argmax: the first max);
+    # subtle: no cumprod, which makes a (T, S) int64 (512 MiB an 8k-token prompt's layer)
+    lead = torch.where(attn_mask.all(1), S, (~attn_mask).to(torch.uint8).argmax(1)).tolist()
     rows = q.split(1, 2)                                              # T x (B, H, 1, D)
     y = [sdpa(x, k.narrow(2, 0, n), v.narrow(2, 0, n), enable_gqa=True) if n == m else None
          for x, n, m in zip(rows, seen, lead)]
-    for r, keys, values in gapped_rows(k, v, attn_mask, min(lead), [r for r in range(T) if y[r] is None]):
+    for r, keys, values in gapped_rows(k, v, attn_mask, min(lead, default=0), [r for r in range(T) if y[r] is None]):
         y[r] = sdpa(rows[r], keys, values, enable_gqa=True)
     return torch.cat(y, 2)                                            # (B, H, T, D)
 
@@ -57,7 +61,8 @@ def gapped_rows(k: Tensor, v: Tensor, mask: Tensor, f: int, rows: list[int]):
     """(row, its keys, its values) for each row of `rows`, whose visible keys have gaps: the
     keys every row sees, [0, f), copied once into a buffer, then the row's own keys past f,
     in slot order. Rows go in the order of their key lists, so a row after its parent
-    writes one key (what the last row wrote stays where the two lists agree)."""
+    writes one key (what the last row wrote stays where the two lists agree). The keys and
+    values yielded are views of that buffer: each holds only until the next row is asked for."""
     if not rows:
         return
     mine = {r: [] for r in rows}

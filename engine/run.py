@@ -89,8 +89,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
                         "and attention runs each row as plain runs it, so every decoder prints that path's plain "
-                        "tokens bit for bit (CPU only). Default: on for bf16 and --int4, where a one-row step "
-                        "costs the same; off for fp32 (one-row steps ~9%% slower) and off the CPU")
+                        "tokens bit for bit (CPU only; the stats line says where this CPU's kernels agree). "
+                        "Default: on for bf16 and --int4, where a one-row step costs about the same, a prompt "
+                        "more (one attention call per row); off for fp32 (one-row steps ~9%% slower) and off the CPU")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
@@ -98,7 +99,8 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
                    help="k-row forward costs for the adaptive choices, as written by `python -m tools.bench "
-                        "--forward-cost` (default: this machine's, measured once into ~/.cache/engine/)")
+                        "--forward-cost` (default: this machine's, measured once into ~/.cache/engine/; fixed "
+                        "constants where that cannot be written)")
     p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
                    help="a policy chooses per step from the tokens seen and the prices (engine/policy.py): "
                         "lookahead's arm (a copy, a plain step, a window size), lookup's copy length, "
@@ -147,7 +149,9 @@ def models(args, ckpt) -> tuple:
             why += " (drop --int4)" if args.int4 else ""
         else:
             try:
-                return (load(ckpt, argparse.Namespace(**{**vars(args), "int4": True})),)
+                # the fp32 target decides every token: its draft needs no exact kernels unless asked
+                flags = {**vars(args), "int4": True, "batch_invariant": bool(args.batch_invariant)}
+                return (load(ckpt, argparse.Namespace(**flags)),)
             except ValueError as e:       # shapes that do not pack in groups of 32
                 why = f"--draft int4: {e}"
         if spec == "auto":
@@ -320,7 +324,8 @@ def run(args) -> dict:
     # subtle: a k-row forward rounds a row apart from a one-row forward (SDPA's key blocks follow
     # the call's shape; in bf16 the matmuls too), so a decoder that verifies k rows may leave
     # plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4 often.
-    # --batch-invariant makes every kernel row-invariant (engine/invariant.py), probed on this CPU
+    # --batch-invariant (bf16 and int4's default) makes every kernel row-invariant
+    # (engine/invariant.py), probed on this CPU
     exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model)
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),

@@ -6,6 +6,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 
 from engine.run import before_stop, main, stats_line
 from engine.weights import DEFAULT_CHECKPOINT
@@ -84,9 +85,9 @@ def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
 @pytest.mark.parametrize("decoder", [["--decoder", "lookahead"], ["--decoder", "speculative"],
                                      ["--decoder", "contrastive", "--temperature", "0.7"]])
 def test_int4_commands_print_the_same_tokens_every_run(decoder, capsys):
-    # Why: --int4 rounds k-row and one-row forwards apart, so its text may differ from fp32's
-    # and from CPU to CPU (tests/test_fidelity.py bounds how far); but one command on one
-    # machine must print the same tokens every time, adaptive choices and sampling included.
+    # Why: --int4's text differs from fp32's and may differ from CPU to CPU (its kernels round
+    # by CPU; tests/test_fidelity.py bounds how far); but one command on one machine must print
+    # the same tokens every time, adaptive choices and sampling included.
     argv = ["--prompt", "Write a short story about a robot who learns to paint.",
             "--max-new-tokens", "24", "--int4", "--dtype", "bfloat16", "--seed", "3"] + decoder
     runs = [run_json(argv, capsys)["tokens"] for _ in range(3)]
@@ -169,6 +170,10 @@ def test_4bit_and_bfloat16_paths_are_exact_by_default_and_say_so_only_without_th
     # Why: the exact kernels cost a bf16 or 4-bit one-row step nothing measurable (plain's step
     # is SDPA either way), so they are the default there; --no-batch-invariant turns them off,
     # and then the stats line says the tokens may leave plain's
+    from engine.api import build
+    from engine.invariant import row_attention
+    model = build(DEFAULT_CHECKPOINT, dtype=torch.bfloat16, int4=bool(path))   # the CLI's default build
+    assert model.layers[0].attention.attend is row_attention        # the default did turn them on
     argv = ["--prompt", PROMPT, "--max-new-tokens", "24", "--dtype", "bfloat16", "--no-adaptive"] + path
     plain = run_json(argv, capsys)
     if not plain["exact_path"]:

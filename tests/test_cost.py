@@ -149,6 +149,21 @@ def test_where_nothing_can_be_kept_nothing_is_measured_and_every_run_prices_alik
     # (above: it would have called measure, which fails the test)
 
 
+def test_a_file_system_without_hard_links_still_keeps_the_table(tmp_path, monkeypatch):
+    # Why: the table is published by a hard link (atomic, and the first writer wins); where the
+    # file system has none (some network and FUSE mounts), it is renamed into place instead,
+    # not measured anew and thrown away by every run
+    def no_links(src, dst):
+        raise PermissionError(1, "Operation not permitted")
+    monkeypatch.setattr(cost.os, "link", no_links)
+    model, heard = tiny_llama(0), []
+    first = cost.calibrated(model, tmp_path, heard.append)
+    assert first is not None and len(heard) == 1 and "measured" in heard[0]
+    assert [p.name.startswith("cost-") for p in tmp_path.iterdir()] == [True]   # kept, no temporary left
+    monkeypatch.setattr(cost, "measure", lambda m: pytest.fail("measured again"))
+    assert cost.calibrated(model, tmp_path) == first
+
+
 def test_a_draft_price_is_measured_once_and_read_back(tmp_path, monkeypatch):
     # Why: --draft int4's K is priced with this machine's draft/target ratio; like the table, it
     # is measured once and kept, so two runs of one command price alike and print alike.

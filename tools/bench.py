@@ -225,8 +225,9 @@ CONFIGS = {
     # plain once more, later in each round: its cells are the noise every other row sits in
     "plain again": ("plain", None, {}),
 }
-# `make bench`; on an fp32 CPU run it adds plain and lookahead on --int4 and speculative with the
-# int4 draft (`speculative int4 adaptive`, what --draft auto takes where it pays)
+# `make bench`; on an fp32 CPU run it adds plain and lookahead on --int4 (its exact default), plain
+# on --int4 --no-batch-invariant, and speculative with the int4 draft (`speculative int4
+# adaptive`, what --draft auto takes where it pays)
 DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 # a config is compared with plain, unless it runs on another model: then with plain on that one
 BASELINE = {"lookahead auto --int4": "plain --int4"}
@@ -638,9 +639,10 @@ def run(args: argparse.Namespace) -> dict:
             if args.compile:   # the (inexact) 4-bit path through tools/compiled.py, opt-in
                 qi = compile_model(prepack(quantize_int4(load_model(args.checkpoint))), notify=progress)
                 configs["plain --int4 --compile"] = lambda p: decode_once(qi, p, CONFIGS["plain"], args.max_new_tokens, eos)
-            # the same 4-bit model as speculative's draft (--draft int4), the fp32 target deciding: fp32's tokens
-            configs["speculative int4 adaptive"] = ("speculative", qx, dict(adaptive=True))
-            result["int4_draft_mb"] = round(resident_bytes(qx) / 2**20, 1)
+            # the 4-bit model as speculative's draft (--draft int4; it needs no exact kernels), the fp32
+            # target deciding: fp32's tokens
+            configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))   # as run.py builds it
+            result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
         if args.llama_cpp:

@@ -131,8 +131,9 @@ def compile_model(model: Llama, notify: Callable[[str], None], trimmed: bool = F
     masked row gathering all its keys, met a dynamo guard that reused a graph at the wrong key
     count)."""
     if model.layers[0].attention.attend is row_attention:
-        notify("compile: the exact path (--batch-invariant) runs eager: its attention reads "
-               "the mask to choose each row's keys (tools/compiled.py)")
+        notify("compile: the exact path (--batch-invariant, bf16's and int4's default) runs eager: its "
+               "attention reads the mask to choose each row's keys; build with batch_invariant=False "
+               "to compile (tools/compiled.py)")
         return model
     blocks = list(model.layers)
     try:

@@ -66,12 +66,12 @@ def fidelity(reference: Llama, mode: Llama, pairs: list[tuple[list[int], list[in
 
 
 def modes(checkpoint: Path) -> dict[str, Llama]:
-    """The inexact modes the CLI offers: 4-bit with its default --batch-invariant kernels and
-    without them (--no-batch-invariant), and bf16."""
+    """The inexact modes the CLI offers, as it builds them: --int4 (4-bit layers, bf16) and bf16,
+    each with its default exact kernels, and --int4 without them (--no-batch-invariant)."""
     from engine.weights import load_model
-    return {"int4 (4-bit layers, bf16)": prepack(quantize_int4(load_model(checkpoint))),
-            "int4 --batch-invariant": prepack(quantize_int4(load_model(checkpoint)), batch_invariant=True),
-            "bf16": prepack(load_model(checkpoint, dtype=torch.bfloat16))}
+    return {"int4 (4-bit layers, bf16)": prepack(quantize_int4(load_model(checkpoint)), batch_invariant=True),
+            "int4 --no-batch-invariant": prepack(quantize_int4(load_model(checkpoint))),
+            "bf16": prepack(load_model(checkpoint, dtype=torch.bfloat16), batch_invariant=True)}
 
 
 def prompts(checkpoint: Path) -> list[list[int]]:

@@ -145,13 +145,9 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
 
 def exact_by_default(model: Llama) -> bool:
-    """Whether prepack's batch_invariant is on by default: bf16 and 4-bit models on a CPU, where
-    it costs a one-row step little (int4 0.98-1.02x, bf16 1.02-1.06x here: their one-row matmuls
-    already take the k-row kernel, or send one row as two; attention is plain's SDPA). Whether
-    the rows then round alike is this CPU's to say (invariant.rows_round_alike; the CLI says
-    it). fp32 sends one row as two through a dearer kernel (~9% a step here: docs/speed.md,
-    run 13), so it stays a flag. A prompt pays more: one attention call per row (300 tokens:
-    +43% here)."""
+    """Whether prepack's batch_invariant is on by default: for bf16 and 4-bit models on a CPU,
+    whose one-row step it costs about nothing (docs/speed.md, run 13; whether rows then round
+    alike is this CPU's probe to say: invariant.rows_round_alike). fp32 pays ~9%: a flag."""
     w = model.tok_embeddings.weight
     return w.dtype == torch.bfloat16 and w.device.type == "cpu"
 

@@ -125,7 +125,8 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     matmul call takes 2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), and on bf16
     (bf16, --int4) and fp32 attention is engine/invariant.py's `row_attention`. There, with torch's int4
     kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
-    On by default for bf16 and 4-bit models (`exact_by_default`), a flag for fp32.
+    Off unless asked; engine.api.build (the CLI's loader) asks for it on bf16 and 4-bit models
+    (`exact_by_default`), and for fp32 only with --batch-invariant.
     """
     if batch_invariant and model.tok_embeddings.weight.device.type != "cpu":
         raise ValueError(CPU_ONLY)

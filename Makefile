@@ -31,14 +31,15 @@ run: weights
 	$(PY) -m engine.run --decoder $(DECODER) --prompt "$(PROMPT)"
 
 # The whole suite: model, cache, sampling proofs, decoders, CLI, golden ids on real weights.
-# Then the real-weights tests again under a second kernel dispatch (AVX2 on an AVX-512 CPU,
-# plain SIMD-less kernels on an AVX2 one), so a test that leans on this CPU's rounding fails
-# here, not on a user's machine (int4 under the second dispatch answers another text).
+# Then the real-weights tests whose tokens rest on the kernels (marked `kernels`) again under a
+# second kernel dispatch (AVX2 on an AVX-512 CPU, plain SIMD-less kernels on an AVX2 one), so a
+# test that leans on this CPU's rounding fails here, not on a user's machine (int4 under the
+# second dispatch answers another text).
 SECOND := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 AVX2 || echo default SSE41)
 test: weights
 	HYPOTHESIS_PROFILE=ci $(PY) -m pytest -q
 	ATEN_CPU_CAPABILITY=$(word 1,$(SECOND)) ONEDNN_MAX_CPU_ISA=$(word 2,$(SECOND)) HYPOTHESIS_PROFILE=ci \
-	  $(PY) -m pytest -q -p no:cacheprovider tests/test_fidelity.py tests/test_weights.py tests/test_cli.py \
+	  $(PY) -m pytest -q -p no:cacheprovider -m kernels tests/test_fidelity.py tests/test_weights.py tests/test_cli.py \
 	  -k "not same_tokens_every_run and not bf16"
 
 # On a machine with a GPU (CI has none): the decoders' property tests with every tiny model on

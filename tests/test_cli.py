@@ -13,6 +13,28 @@ from engine.weights import DEFAULT_CHECKPOINT
 
 real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
                           reason="needs the converted checkpoint (make weights)")
+# asserts tokens or text that rest on this CPU's kernels: `make test` runs these again under a
+# second dispatch (the rest of this file would only repeat itself there)
+kernels = pytest.mark.kernels
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built_once():
+    """The CLI's models, each built once for this module and kept while used (the last 3): a
+    build takes seconds, and these tests are about what the CLI does with the model (its
+    loading is tests/test_weights.py's and tests/test_api.py's)."""
+    import engine.run
+    build, kept = engine.run.build, {}
+
+    def once(checkpoint, **how):
+        key = (str(checkpoint), *sorted(how.items()))
+        kept[key] = kept.pop(key) if key in kept else build(checkpoint, **how)
+        while len(kept) > 3:
+            kept.pop(next(iter(kept)))                 # the least recently used
+        return kept[key]
+    with pytest.MonkeyPatch.context() as m:
+        m.setattr(engine.run, "build", once)
+        yield
 
 
 @pytest.mark.parametrize("argv,words", [
@@ -74,6 +96,7 @@ def plain_json(argv, capsys):
 
 
 @real
+@kernels
 def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
     # Why: the same chat-templated prompt through HF transformers gave this text (golden.json).
     out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20"], capsys)
@@ -82,6 +105,7 @@ def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
 
 
 @real
+@kernels
 @pytest.mark.parametrize("decoder", [["--decoder", "lookahead"], ["--decoder", "speculative"],
                                      ["--decoder", "contrastive", "--temperature", "0.7"]])
 def test_int4_commands_print_the_same_tokens_every_run(decoder, capsys):
@@ -107,6 +131,7 @@ GREEDY_DECODERS = {
 
 
 @real
+@kernels
 @pytest.mark.parametrize("name", GREEDY_DECODERS)
 def test_greedy_decoders_print_what_plain_prints(name, capsys):
     # Why: a user switching --decoder at temperature 0 must see the same text, only faster.
@@ -117,6 +142,7 @@ def test_greedy_decoders_print_what_plain_prints(name, capsys):
 
 
 @real
+@kernels
 @pytest.mark.parametrize("verify", ["coupled", "rejection"])
 def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
     # Why: --draft int4 drafts in 4 bits, but the fp32 target decides every token: coupled
@@ -146,6 +172,7 @@ INT4_EXACT = ["--int4", "--dtype", "bfloat16"]   # exact by default: --batch-inv
 
 
 @real
+@kernels
 @pytest.mark.parametrize("name", ["lookahead", "lookahead trimmed", "speculative", "speculative coupled",
                                   "contrastive beta=0", "lookup"])
 def test_int4_decoders_print_int4_plains_tokens_by_default(name, capsys):
@@ -165,6 +192,7 @@ def test_int4_decoders_print_int4_plains_tokens_by_default(name, capsys):
 
 
 @real
+@kernels
 @pytest.mark.parametrize("path", [["--int4"], []], ids=["int4", "bf16"])   # make test's 2nd dispatch: int4 only
 def test_4bit_and_bfloat16_paths_are_exact_by_default_and_say_so_only_without_the_flag(path, capsys):
     # Why: the exact kernels cost a bf16 or 4-bit one-row step nothing measurable (plain's step
@@ -185,6 +213,7 @@ def test_4bit_and_bfloat16_paths_are_exact_by_default_and_say_so_only_without_th
 
 
 @real
+@kernels
 def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
     # Why: fp32's SDPA rounds a verified row ~1e-4 of a logit apart from plain's one row, so the
     # default fp32 path is called near-exact; --batch-invariant makes fp32 row-exact (attention
@@ -201,6 +230,7 @@ def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
 
 
 @real
+@kernels
 def test_int4_speculative_sampling_is_plains_with_the_seed(capsys):
     # Why: coupled verification promises plain sampling's tokens for the seed; on the exact
     # 4-bit path that promise now holds too
@@ -233,6 +263,7 @@ def test_text_before_a_stop_string(text, final, want):
 
 
 @real
+@kernels
 @pytest.mark.parametrize("decoder", ["plain", "lookahead"])
 def test_stop_string_ends_the_answer_before_it(decoder, capsys):
     # Why: "--stop" is how a user ends an answer at a marker; the text must end just before it,
@@ -247,6 +278,7 @@ def test_stop_string_ends_the_answer_before_it(decoder, capsys):
 
 
 @real
+@kernels
 def test_a_stop_string_spanning_several_tokens_is_seen(capsys):
     # Why: the CLI decodes only a tail of tokens per check; a stop string made of several
     # tokens must still fall inside it (a one-token tail would miss this one).
@@ -274,6 +306,7 @@ def test_help_works_with_docstrings_stripped():
 
 
 @real
+@kernels
 def test_lookup_traces_its_steps_and_prints_plain_greedy_text(capsys):
     # Why: the fifth decoder runs from the CLI by its registry line and flags; its trace says,
     # step by step, exactly the tokens that were printed (the golden greedy answer).
@@ -289,6 +322,7 @@ def test_lookup_traces_its_steps_and_prints_plain_greedy_text(capsys):
 
 
 @real
+@kernels
 def test_a_self_draft_shows_its_draft_forwards(capsys):
     # Why: speculative with layers:8 once printed "acceptance 0.00" and hid its draft forwards;
     # they are counted now, and the trace shows each rejected draft with the models' p and q

@@ -28,6 +28,7 @@ def corpus():
 
 
 @real
+@pytest.mark.kernels
 @pytest.mark.parametrize("mode", ["int4", "int4 batch-invariant", "bf16"])
 def test_inexact_modes_stay_within_their_bounds_of_fp32(mode, corpus):
     # Why: a user trading exactness for speed is promised a close approximation, on any CPU

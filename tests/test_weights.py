@@ -382,6 +382,7 @@ GOLDEN = json.loads((Path(__file__).parent / "golden.json").read_text())
 
 
 @pytest.mark.slow
+@pytest.mark.kernels
 @real
 def test_real_checkpoint_reproduces_hf_greedy_tokens():
     # golden.json holds HF transformers' greedy continuations of this very checkpoint; one

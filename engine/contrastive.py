@@ -65,9 +65,10 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
            num_draft: int | None = None, trace: bool = False) -> Iterator[Step]:
     """Contrastive decoding; with `speculative`, the amateur drafts K = num_draft tokens.
 
-        seq = prompt; K = num_draft if speculative else 0
+        seq = prompt
         loop:                                              # one expert forward per iteration
             t = len(seq)                                   # position of the first new token
+            K = num_draft if speculative and not the prompt's step else 0
             for i in 0..K:  a_i = amateur(seq + d_<i)[-1]
                             if i < K: d_i ~ q_i = probs(a_i) with key ("draft", t + i)
             e_0..e_K = expert(seq + d_0..d_K-1)[-K-1:]
@@ -93,10 +94,11 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
     seq = list(prompt)
     while True:
         t = len(seq)                                            # position of the first new token
-        # subtle: the amateur also reads d_K-1, for a_K: the row the bonus position needs
-        drafts, q, a_rows, e = draft_then_verify(pair, seq, K, sampler, rng, "draft", bonus_row=True)
-        s = scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature)  # (K+1, V)
-        p = sampler.probs(s)                                                # (K+1, V)
+        k = K if pair.target_seen else 0                        # the prompt's step drafts nothing
+        # subtle: the amateur also reads d_k-1, for a_k: the row the bonus position needs
+        drafts, q, a_rows, e = draft_then_verify(pair, seq, k, sampler, rng, "draft", bonus_row=True)
+        s = scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature)  # (k+1, V)
+        p = sampler.probs(s)                                                # (k+1, V)
         out = verify_rejection(p, q, drafts, rng, t)
         pair.rollback(t + len(out) - 1)                                     # keep accepted drafts
         seq += out
@@ -104,5 +106,5 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         if trace:   # per emitted position: the expert's own choice, the contrastive one, |V_head|
             info = {"kind": "contrastive", "position": t, "expert": e.argmax(-1).tolist(),
                     "best": s.argmax(-1).tolist(), "plausible": s.isfinite().sum(-1).tolist(),
-                    **verdicts(p, q, drafts, out, [rng.uniform("accept", t + i) for i in range(K)])}
-        yield Step(out, drafted=K, accepted=len(out) - 1, draft_forwards=K + 1, trace=info)
+                    **verdicts(p, q, drafts, out, [rng.uniform("accept", t + i) for i in range(k)])}
+        yield Step(out, drafted=k, accepted=len(out) - 1, draft_forwards=k + 1, trace=info)

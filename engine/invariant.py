@@ -6,7 +6,8 @@ kernel rounds a row alike in a k-row call and in a one-row call; then every deco
 plain's tokens on that path, fp32, bf16 or 4-bit (`--batch-invariant`, packed.prepack):
 - matmuls: oneDNN's 2..32-row kernel, one row sent as two (packed.PackedLinear, min_rows=2);
   torch's int4 kernel, row-invariant as measured here;
-- attention: `row_attention` below, SDPA called for each row alone, as plain calls it;
+- attention: `row_attention` below, SDPA called for each row alone, as plain calls it (a
+  prompt excepted: one call, the same in every decoder, whose first forward is plain's);
 - the probe `rows_round_alike(model)`, which the CLI's "exact path" claim rests on, per CPU.
 A reader learning the decoders may skip this file: on an inexact path they are still exact in
 law, and differ from plain only where a near-tie falls the other way.
@@ -28,15 +29,17 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = No
     bool attn_mask (T, S) shared by the batch (True = may attend), grouped-query always: each
     query row computed alone over its own visible keys, in slot order, with no mask, as plain
     decoding computes that row in its one-row step. So a row's bits depend on its query and its
-    keys' values only, never on the other rows of the forward or on keys it may not see.
+    keys' values only, never on the other rows of the forward or on keys it may not see (a
+    prompt from an empty cache excepted: one call, made alike by every decoder).
 
     SDPA over all T rows at once is not that: its CPU kernel walks queries and keys in blocks
     whose bounds follow the call's shape, and it adds a mask, so a verified row (one of k,
     masked, its keys beside other rows' keys) rounds apart from plain's one-row step, in fp32
     as in bf16 (tests/test_invariant.py). A one-row step is SDPA's call as it is; a k-row
     forward pays k calls per layer (docs/speed.md, run 13).
+    - a prompt (causal rows from an empty cache) is one SDPA call, as plain's prefill is;
     - a row whose keys are slots [0, n) attends to a view of the cache, no copy (a plain step,
-      a prompt's rows, speculative's and lookup's chains, lookahead's copy);
+      speculative's and lookup's chains, lookahead's copy);
     - a row with gaps (lookahead's tree: other rows' keys between its own): `gapped_rows`.
     """
     T, sdpa = q.shape[2], F.scaled_dot_product_attention
@@ -45,6 +48,11 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = No
     if attn_mask is None:                                             # every row sees every key
         attn_mask = torch.ones(T, k.shape[2], dtype=torch.bool, device=q.device)
     S = attn_mask.shape[1]
+    if S == T and torch.equal(attn_mask, torch.ones_like(attn_mask).tril()):
+        # a prompt, causal from an empty cache: every decoder's first forward is its prompt
+        # alone, as plain's (engine/generate.py), so these rows need not round as one-row
+        # calls would: the same call in every decoder gives every decoder the same bits
+        return sdpa(q, k, v, attn_mask=attn_mask, enable_gqa=True)
     seen = attn_mask.sum(1).tolist()                                  # keys each row sees
     # of them, leading from slot 0: up to the row's first masked key (argmax: the first max);
     # subtle: no cumprod, which makes a (T, S) int64 (512 MiB an 8k-token prompt's layer)

@@ -3,15 +3,16 @@
 Fu, Bailis, Stoica, Zhang, "Break the Sequential Dependency of LLM Inference Using Lookahead
 Decoding", ICML 2024, arXiv 2402.02057.
 
-Every step sends one tree of rows after the committed cache: the last accepted token x (its K/V
-are not cached yet), a window of N-1 levels x W columns (the last N-1 Jacobi iterates), and the
-pool's guesses for x, merged into a prefix tree. Each window column is a chain whose newest row
-predicts one more token, which closes an n-gram for the pool and becomes the next level. The
-guesses are checked with `verify_match`, so the output is plain decoding's, greedy or sampled.
+After the prompt's step (plain's), every step sends one tree of rows after the committed cache:
+the last accepted token x (its K/V are not cached yet), a window of N-1 levels x W columns (the
+last N-1 Jacobi iterates), and the pool's guesses for x, merged into a prefix tree. Each window
+column is a chain whose newest row predicts one more token, which closes an n-gram for the pool
+and becomes the next level. The guesses are checked with `verify_match`, so the output is plain
+decoding's, greedy or sampled.
 
 Choices where LADE and llama.cpp differ (small samples below; the benchmark has the last word):
 - The window starts full, copied diagonally from the prompt (column k reads prompt[k:k+N-1]):
-  no warm-up steps, every step has one shape, and no random source is needed.
+  no warm-up steps, every step after the prompt's has one shape, and no random source is needed.
 - The window moves one column per step, whatever was accepted (LADE). Shifting one column per
   accepted token (llama.cpp) keeps positions aligned but needs filler tokens, and did no better:
   SmolLM2-135M, 6 chat prompts x 64 greedy tokens, 1.43 vs 1.41 tokens/forward (W5 N4 G5),
@@ -146,22 +147,21 @@ def tree_mask(parent: list[int]) -> Tensor:
 
 def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], parent: list[int],
             keep: list[int], trim_layers: int) -> Tensor:
-    """Logits (len(keep), V) of step rows `keep`; `prefix` rows (prefill only) go first, causal."""
+    """Logits (len(keep), V) of step rows `keep`; `prefix` (the prompt's step only: the prompt
+    but x) goes first, and that step is plain's, one chain."""
     c, p, T = cache.length, len(prefix), len(tokens)
     device = model.tok_embeddings.weight.device
-    if parent == list(range(-1, T - 1)):   # one chain (a plain step, a copy, the prefill): causal
+    if parent == list(range(-1, T - 1)):   # one chain (a plain step, a copy, the prompt's): causal
         rows = [p + r for r in keep]
         return model(torch.tensor([prefix + tokens], device=device), torch.arange(c, c + p + T, device=device),
                      cache, keep=None if rows == [0] else rows, trim_layers=trim_layers)[0]  # (len(keep), V)
+    assert not prefix, "a tree after the prompt's step only"
     tree = tree_mask(parent)                                          # (T, T)
-    mask = torch.ones(p + T, c + p + T, dtype=torch.bool)             # (p+T, S)
-    mask[:p, c:] = torch.ones(p, p + T, dtype=torch.bool).tril()      # prefix: causal, no step rows
-    mask[p:, c + p:] = tree
-    depth = tree.sum(1) - 1                                           # (T,) ancestors per row
-    positions = torch.cat([torch.arange(c, c + p), c + p + depth])    # (p+T,)
-    ids = torch.tensor([prefix + tokens], device=device)              # (1, p+T)
-    logits = model(ids, positions.to(device), cache, mask.to(device),
-                   keep=[p + r for r in keep], trim_layers=trim_layers)  # (1, len(keep), V)
+    mask = torch.ones(T, c + T, dtype=torch.bool)                     # (T, S): the cache, then the tree
+    mask[:, c:] = tree
+    positions = c + tree.sum(1) - 1                                   # (T,) P + ancestors per row
+    logits = model(torch.tensor([tokens], device=device), positions.to(device), cache, mask.to(device),
+                   keep=keep, trim_layers=trim_layers)                # (1, len(keep), V)
     return logits[0]
 
 
@@ -172,7 +172,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
            policy=None, trace: bool = False) -> Iterator[Step]:
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
-        pool <- n-grams of prompt; levels <- N-1 levels x W copied from prompt; x <- prompt[-1]
+        pool <- n-grams of prompt; levels <- N-1 levels x W copied from prompt
+        x <- plain's first token, from the prompt alone (engine/generate.py);  yield x
         loop:
             rows   <- [x] + levels + trie(G guesses for x)     under one tree mask, P = pos(x)
             logits <- model(rows), kept only at x, the newest level and the trie
@@ -214,17 +215,16 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     levels = init_window(prompt, W, N)                 # N-1 levels x W columns
     text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
     while True:
-        w, g, copy = W, G, []
-        if policy:   # the prefill step is a plain one
+        first = not cache.length                       # the prefill: plain's step (engine/generate.py)
+        w, g, copy = (0, 0, []) if first else (W, G, [])
+        if policy and not first:
             room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can use
-            w, g, copy = policy.choose(text, room) if not prefix else (0, 0, [])
+            w, g, copy = policy.choose(text, room)
         grams = [tuple(copy)] if copy else candidates(pool, text, g, N) if g else []
         sent = [level[:w] for level in levels]         # columns >= w pause this step
         tokens, parent, newest, paths = layout(x, sent, grams)
         keep = sorted({0, *newest, *range((N - 1) * w, len(tokens))})
-        # subtle: for m > 1 trimmed layers, frozen prompt rows would cache K/V computed from a
-        # stale residual; one trimmed layer is exact (its K/V come from an up-to-date input)
-        trim = min(trim_layers, 1) if prefix else trim_layers
+        trim = 0 if first else trim_layers             # the prompt's step is plain's: no frozen rows
         base = cache.length + len(prefix)                             # slot and position of x
         logits = forward(model, cache, prefix, tokens, parent, keep, trim)  # (len(keep), V)
         at = {r: i for i, r in enumerate(keep)}
@@ -238,9 +238,9 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         arm = "" if not policy else "copy" if copy else f"W{w} G{g}" if w + g else "plain"
         info = None
         if trace:   # before the window moves: the rows this forward saw
-            info = {"kind": "lookahead", "position": base + 1, "prefill": len(prefix), "x": x, "N": N,
-                    "arm": arm, "levels": sent, "parent": parent, "grams": grams, "best": best,
-                    "accepted": m, "next": out[-1]}
+            info = {"kind": "lookahead", "position": base + 1, "first": first, "prefill": len(prefix),
+                    "x": x, "N": N, "arm": arm, "levels": sent, "parent": parent, "grams": grams,
+                    "best": best, "accepted": m, "next": out[-1]}
         if w:                                                         # the sent columns move on
             new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (w,) argmax, even sampling
             levels = [moved + level[w:] for moved, level in zip(advance(pool, sent, x, new), levels)]
@@ -248,7 +248,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
                 info["minted"] = new
         text += out
         pool.add_text(text, len(text) - len(out))
-        if policy and not prefix:
+        if policy and not first:
             policy.update(len(out), len(tokens))
         prefix, x = [], out[-1]
         yield Step(out, drafted=len(tokens) - max((N - 1) * w, 1), accepted=m, trace=info, arm=arm)

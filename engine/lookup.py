@@ -46,7 +46,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
         text <- prompt
         loop:
-            g <- the K tokens after the latest earlier match of text[-n:], n = N..1 ([] if none)
+            g <- the K tokens after the latest earlier match of text[-n:], n = N..1
+                 ([] if none, and on the prompt's step, which is plain's)
             policy: g <- g[:L], L = policy.length(...) (L = 0: a plain step)
             logits <- model(text[-1] + g), causal, rows after the cache        # 1 + len(g) rows
             y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix
@@ -63,9 +64,10 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     while True:
         n = len(text)                                     # position of the first new token
         room = min(K, max(end - n - 1, 0))
-        full, m, start = find(text, lookup_ngram, K)
+        # the prompt's step is plain's: the prompt alone (engine/generate.py)
+        full, m, start = find(text, lookup_ngram, K) if cache.length else ([], 0, -1)
         guess = full[:policy.length(text, full, m, room=room) if policy else room]
-        feed = text[cache.length:] + guess                # the whole prompt at first, then the last token
+        feed = text[cache.length:] + guess                # the prompt at first, then the last token
         positions = torch.arange(cache.length, cache.length + len(feed), device=device)
         logits = model(torch.tensor([feed], device=device), positions, cache,
                        keep=list(range(-len(guess) - 1, 0)))[0]                # (1+K, V)

@@ -90,8 +90,8 @@ def parser() -> argparse.ArgumentParser:
                    help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
                         "and attention runs each row as plain runs it, so every decoder prints that path's plain "
                         "tokens bit for bit (CPU only; the stats line says where this CPU's kernels agree). "
-                        "Default: on for bf16 and --int4, where a one-row step costs about the same, a prompt "
-                        "more (one attention call per row); off for fp32 (one-row steps ~9%% slower) and off the CPU")
+                        "Default: on for bf16 and --int4, where a one-row step and a prompt cost about the same; "
+                        "off for fp32 (one-row steps ~9%% slower) and off the CPU")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")

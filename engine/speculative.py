@@ -29,9 +29,9 @@ from engine.trace import verdicts
 def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, num_draft: int = 4, verify: str = "rejection",
            policy=None, trace: bool = False) -> Iterator[Step]:
-    """Speculative decoding; one Step per target forward (the first one also eats the prompt).
+    """Speculative decoding; one Step per target forward (the first is plain's, on the prompt alone).
 
-        n = len(x); K = min(K, tokens left - 1)
+        n = len(x); K = min(K, tokens left - 1), or 0 on the prompt's step (plain's prefill)
         for i in 0..K-1: q_i = probs(draft(x_<n+i)); x_{n+i} ~ q_i   key ("draft" | "token", n+i)
         p_0..p_K = probs(target(x_<n+K))                            one forward, K+1 rows
         rejection: accept x_{n+i} w.p. min(1, p_i/q_i); first reject: y ~ norm((p_i - q_i)+)
@@ -59,7 +59,8 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
     def steps(seq: list[int], end: int) -> Iterator[Step]:
         while True:
             n = len(seq)                                       # position of the first new token
-            k = min(policy.k if policy else num_draft, max(end - n - 1, 0))
+            first = not pair.target_seen                       # the prefill: plain's step (generate.py)
+            k = 0 if first else min(policy.k if policy else num_draft, max(end - n - 1, 0))
             drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream)  # (K, V), (K+1, V)
             if not k:       # a plain step: plain's draw, which is either verification's with no drafts
                 out = [sampler.draw(logits[0], rng, "token", n)]
@@ -67,7 +68,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
                 out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
             else:
                 out, _ = verify_match(logits[0], logits[None, 1:], torch.tensor([drafts]), sampler, rng, n)
-            if policy:
+            if policy and not first:
                 policy.update(k, len(out) - 1)
             pair.rollback(n + len(out) - 1)   # the last emitted token is fed next step
             seq += out

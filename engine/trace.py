@@ -70,7 +70,8 @@ class Tracer:
     def lookahead(self, head, t):
         W, N, x, P = len(t["levels"][0]) if t["levels"] else 0, t["N"], t["x"], t["position"] - 1
         arm, then = t["arm"], self.show([t["next"]])
-        how = (f"W={W} N={N}" if not arm else "arm plain (one row)" if arm == "plain" else
+        how = ("the prompt's step (plain's)" if t.get("first") else f"W={W} N={N}" if not arm else
+               "arm plain (one row)" if arm == "plain" else
                f"arm copy ({len(t['grams'][0])} tokens, priced)" if arm == "copy" else f"arm {arm}")
         out = [f"{head} {how}  x={self.show([x])} @{P}"
                + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]

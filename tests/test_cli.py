@@ -150,8 +150,9 @@ def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
     # (test_proofs), and one command prints the same tokens every run.
     argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "5"]
     plain = plain_json(argv, capsys)
-    runs = [run_json(argv + ["--decoder", "speculative", "--draft", "int4", "--verify", verify], capsys)
-            for _ in range(2)]
+    # --no-adaptive: K = 4 every step, whatever a busy machine's measured prices would say
+    runs = [run_json(argv + ["--decoder", "speculative", "--draft", "int4", "--verify", verify, "--no-adaptive"],
+                     capsys) for _ in range(2)]
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["draft"] == "int4"
     assert runs[0]["draft_forwards"] > 0 and runs[0]["draft_mb"] > 50     # it drafted, and says its size
     if verify == "coupled":
@@ -333,7 +334,7 @@ def test_a_self_draft_shows_its_draft_forwards(capsys):
     err = capsys.readouterr().err
     assert "reject  (the target's argmax is not x)" in err and "#3 @40 speculative" in err
     assert "models' p=" in err and "q=1.000" not in err
-    assert "| 4 target forwards | 6 draft forwards (layers:8) |" in err   # K = 3, 2, 1, 0: none past the budget
+    assert "| 4 target forwards | 3 draft forwards (layers:8) |" in err   # K = 0 (the prompt's), 2, 1, 0: none past the budget
 
 
 def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():

@@ -169,7 +169,7 @@ def test_amateur_equal_to_expert_accepts_every_draft():
     expert, K = tiny_llama(0), 3
     steps = contrastive.decode(expert, tiny_llama(0), [1, 2], sampler=GREEDY, rng=Random(0),
                                max_new_tokens=12, beta=0.0, speculative=True, num_draft=K)
-    assert [len(next(steps).tokens) for _ in range(3)] == [K + 1] * 3
+    assert [len(next(steps).tokens) for _ in range(4)] == [1] + [K + 1] * 3   # the prompt's step drafts none
 
 
 @pytest.mark.parametrize("kind", ["model", "layers"])

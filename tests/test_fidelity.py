@@ -33,7 +33,7 @@ def corpus():
 def test_inexact_modes_stay_within_their_bounds_of_fp32(mode, corpus):
     # Why: a user trading exactness for speed is promised a close approximation, on any CPU
     reference, pairs = corpus
-    if mode.startswith("int4"):   # batch-invariant: its own attention kernel, the same bounds
+    if mode.startswith("int4"):   # batch-invariant: its row-padded matmuls, the same bounds
         model = prepack(quantize_int4(load_model(DEFAULT_CHECKPOINT)), batch_invariant=mode != "int4")
     else:
         model = prepack(load_model(DEFAULT_CHECKPOINT, dtype=torch.bfloat16))

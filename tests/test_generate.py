@@ -79,3 +79,35 @@ def test_hit_rate_counts_only_steps_that_verified_a_draft():
     list(generate(iter(log), max_new_tokens=10, stats=stats))
     assert (stats.hits, stats.verify_steps, stats.hit_rate, stats.draft_forwards) == (1, 1, 1.0, 2)
     assert Stats().acceptance is None and Stats().hit_rate is None
+
+
+def test_every_decoders_first_forward_is_its_prompt_alone_as_plains():
+    # Why: on the exact path a prompt is one SDPA call (engine/invariant.py), whose rows round by
+    # the call's shape; a decoder whose first forward also sent guesses or drafts would round
+    # its prompt apart from plain's. So every decoder's first step is plain's prefill: each
+    # pass through the target's layers before the first yield sees the prompt alone, causal,
+    # from an empty cache, no row frozen. The prompt repeats itself, so lookup and lookahead have guesses.
+    from engine.decoders import DECODERS
+    from engine.draft import SelfDraft
+    from engine.policy import CopyLength, DraftLength, Lookahead
+    prompt = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]
+    rows = lambda k: 1.0 + 0.01 * k                      # cheap rows: every policy sends guesses
+    cases = [("plain", (), {}), ("lookahead", (), {"window": 3, "ngram": 3}),
+             ("lookahead", (), {"window": 3, "ngram": 3, "trim_layers": 1}),
+             ("lookahead", (), {"policy": Lookahead(rows, 4)}), ("lookup", (), {}),
+             ("lookup", (), {"policy": CopyLength(rows)}), ("speculative", (SelfDraft(1),), {}),
+             ("speculative", ("model",), {"num_draft": 3}),
+             ("speculative", (SelfDraft(1),), {"policy": DraftLength(4, 6, 0.1, rows)}),
+             ("contrastive", (1,), {"speculative": True}), ("contrastive", ("model",), {"speculative": True})]
+    assert {name for name, _, _ in cases} == set(DECODERS)   # a new decoder needs its case here
+    for name, second, knobs in cases:
+        target = tiny_llama(0)
+        second = tuple(tiny_llama(1) if s == "model" else s for s in second)
+        calls, blocks = [], target.blocks
+        target.blocks = lambda x, positions, cache=None, mask=None, **kw: (
+            calls.append((x.shape[1], cache.length, mask, kw.get("trim_layers", 0))),
+            blocks(x, positions, cache, mask, **kw))[1]
+        first = next(DECODERS[name].decode(target, *second, prompt, sampler=Sampler(), rng=Random(0),
+                                           max_new_tokens=8, **knobs))
+        assert calls and all(c == (len(prompt), 0, None, 0) for c in calls), (name, knobs, calls)
+        assert len(first.tokens) == 1 and first.drafted == 0, (name, knobs)

@@ -162,3 +162,22 @@ def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
     torch.manual_seed(0)
     assert invariant.rows_round_alike(packed.prepack(Llama(cfg).float().requires_grad_(False), batch_invariant=True))
     assert not invariant.rows_round_alike(packed.prepack(Llama(cfg).float().requires_grad_(False)))
+
+
+def test_a_prompt_from_an_empty_cache_is_one_sdpa_call_and_a_tree_there_is_not():
+    # Why: every decoder's first forward is its prompt alone (engine/generate.py), so the exact
+    # path may send a prompt as one SDPA call, plain's prefill; any other rows from an empty
+    # cache (a tree, or causal rows after cached keys) must still be computed row by row
+    g = torch.Generator().manual_seed(5)
+    T, H, Hkv, D = 40, 9, 3, 64
+    q = torch.randn(1, H, T, D, generator=g).bfloat16()
+    k, v = (torch.randn(1, Hkv, T, D, generator=g).bfloat16() for _ in range(2))
+    causal = torch.ones(T, T, dtype=torch.bool).tril()
+    assert torch.equal(invariant.row_attention(q, k, v, attn_mask=causal),
+                       SDPA(q, k, v, attn_mask=causal, enable_gqa=True))
+    tree = causal.clone()
+    tree[T // 2:, T // 2 - 1] = False                     # the second half skips one key
+    rows = invariant.row_attention(q, k, v, attn_mask=tree)
+    for r in range(T):
+        keys = tree[r].nonzero().squeeze(1)
+        assert torch.equal(rows[:, :, r:r + 1], SDPA(q[:, :, r:r + 1], k[:, :, keys], v[:, :, keys], enable_gqa=True)), r

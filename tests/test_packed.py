@@ -131,7 +131,7 @@ def amx() -> bool:
 @pytest.mark.skipif(not packed.can_prepack(torch.zeros(1, dtype=torch.bfloat16)), reason="no oneDNN bf16 here")
 def test_batch_invariant_packed_matmuls_round_a_row_alike_at_every_row_count():
     # Why: the bf16 path sends 1..~100 rows through the same weights (plain's step, a verify
-    # step, lookahead's first step with the prompt); a row's bits must not depend on how many.
+    # step, a prompt); a row's bits must not depend on how many.
     # On an AMX CPU oneDNN takes a tile kernel from 33 rows, which rounds apart: calls of at
     # most 32 rows keep every row on one kernel
     g = torch.Generator().manual_seed(0)

@@ -76,7 +76,7 @@ def test_adaptive_k_gives_the_greedy_tokens(kind, seed, K, P):
 
 def test_eos_inside_a_step_cuts_the_step_there():
     # Why: a step emits up to K+1 tokens; an EOS among them must end the text right after it.
-    target, draft = make_pair("near", 3)
+    target, draft = make_pair("near", 0)
     budget = 24
     want = run(plain(target, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=budget), budget)
     steps = decode(target, draft, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=budget, num_draft=5)
@@ -180,7 +180,9 @@ def test_rejection_accepts_every_draft_when_p_equals_q(seed):
     # bonus is drawn from p_K with plain's key ("token", n + K).
     lm, sampler, rng, K = bigram(seed, [0, 1, 2, 3, 4, 5]), Sampler(temperature=1.0), Random(seed), 3
     steps = decode(lm, lm, [0], sampler=sampler, rng=rng, max_new_tokens=20, num_draft=K)
-    seq = [0]
+    first = next(steps)                                  # the prompt's step: plain's draw
+    assert first.drafted == 0 and first.tokens == [rng.categorical(sampler.probs(lm.table[0]), "token", 1)]
+    seq = [0] + first.tokens
     for _ in range(4):
         step = next(steps)
         assert step.accepted == step.drafted == K and len(step.tokens) == K + 1
@@ -199,8 +201,8 @@ def test_rejection_resamples_the_residual_when_supports_are_disjoint(seed):
     seq = [0]
     steps = decode(target, draft, [0], sampler=sampler, rng=rng, max_new_tokens=20, num_draft=4)
     for step in generate(steps, max_new_tokens=8):      # K is never cut short by the budget here
-        p = sampler.probs(target.table[seq[-1]])
-        assert step in (3, 4, 5) and step == rng.categorical(p, "residual", len(seq))
+        p = sampler.probs(target.table[seq[-1]])        # the prompt's step is plain's draw
+        assert step in (3, 4, 5) and step == rng.categorical(p, "token" if len(seq) == 1 else "residual", len(seq))
         seq.append(step)
 
 

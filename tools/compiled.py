@@ -168,9 +168,9 @@ def warm_up(model: Llama, trimmed: bool = False) -> None:
     for n in (0, 1, P):                                                       # T = 1 at n = 0, 1, P
         cache.length = n
         model(tokens[:, :1], torch.tensor([n]), cache)
-    for n in (0, P):  # the prompt's forward (n = 0) and later ones, k rows under a mask
+    for n in (0, P):  # the prompt's forward (n = 0: never trimmed) and later ones, k rows under a mask
         mask = torch.ones(P, n + P, dtype=torch.bool).tril(n)                 # (T, S)
-        for keep, trim in ((None, 0),) + ((([0, 2], 1), ([1], 1)) if trimmed else ()):
+        for keep, trim in ((None, 0),) + ((([0, 2], 1), ([1], 1)) if trimmed and n else ()):
             cache.length = n
             model(tokens, torch.arange(n, n + P), cache, mask=mask, keep=keep, trim_layers=trim)
     # subtle: a window that fills the cache is contiguous, and the cache write's graph depends

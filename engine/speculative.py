@@ -76,8 +76,9 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
             if trace:   # the uniform each verdict read: ("accept", t), or plain's ("token", t) if coupled
                 p = sampler.probs(logits)                                            # (K+1, V)
                 u = [rng.uniform("accept" if verify == "rejection" else "token", n + i) for i in range(k)]
-                info = {"kind": "speculative", "position": n, "verify": verify, "adaptive": bool(policy),
-                        "greedy": sampler.greedy, **verdicts(p, q, drafts, out, u, (logits, torch.stack(a[:k])) if k else None)}
+                info = {"kind": "speculative", "position": n, "first": first, "verify": verify,
+                        "adaptive": bool(policy), "greedy": sampler.greedy,
+                        **verdicts(p, q, drafts, out, u, (logits, torch.stack(a[:k])) if k else None)}
             yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k, trace=info,
                        arm=f"K={k}" if policy else "")
 

@@ -116,7 +116,8 @@ class Tracer:
     def speculative(self, head, t):
         rule = "(u < p/q)" if t["verify"] == "rejection" else "(the target's own draw is x)"
         out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}"
-               + ("  (K = 0: a plain step)" if t["k"] == 0 else "")]
+               + ("  (the prompt's step: plain's)" if t.get("first") else
+                  "  (K = 0: a plain step)" if t["k"] == 0 else "")]
         out += self.drafts(t["drafts"], rule, t.get("greedy", False))
         return out + [self.last(t), f"  emitted {self.show(claimed(t))}"]
 

@@ -18,11 +18,13 @@ But: no batching logic (decoders run B=1), no training, no dropout, no weight in
 from __future__ import annotations
 
 import math
+from contextlib import nullcontext
 from dataclasses import dataclass
 
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+from torch.nn.attention import SDPBackend, sdpa_kernel
 
 from engine.kvcache import KVCache
 
@@ -127,6 +129,17 @@ def causal_mask(cached: int, T: int, device=None) -> Tensor:
     # subtle: row t is the token at slot cached + t, so key j is visible iff j <= cached + t
     keys = torch.arange(cached + T, device=device)
     return keys[None, :] <= (cached + torch.arange(T, device=device))[:, None]
+
+
+# subtle: on CUDA, torch hands bf16 attention to cuDNN, which plans its kernel per shape; a
+# decoder's key length grows every step, so every step paid for a new plan: ~1.3 ms per call,
+# 11.6 bf16 tok/s against 56 without it on an H200 (docs/cuda.md). These take any key length.
+CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
+
+
+def attention_kernels(device: torch.device):
+    """The SDPA kernels a forward on `device` may use: CUDA_ATTENTION on CUDA, else torch's own."""
+    return sdpa_kernel(CUDA_ATTENTION) if device.type == "cuda" else nullcontext()
 
 
 # --------------------------------------------------------------------------- layers
@@ -245,9 +258,10 @@ class Llama(nn.Module):
         cos, sin = rope(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)  # (T, D) each
         stop = c.n_layers if stop is None else stop
         first_trimmed = c.n_layers - trim_layers
-        for i in range(start, stop):
-            rows = keep if (keep is not None and i >= first_trimmed) else None
-            x = self.layers[i](x, rows, cos, sin, cache, i, mask)          # (B, T, C)
+        with attention_kernels(x.device):
+            for i in range(start, stop):
+                rows = keep if (keep is not None and i >= first_trimmed) else None
+                x = self.layers[i](x, rows, cos, sin, cache, i, mask)      # (B, T, C)
         return x
 
     @torch.inference_mode()

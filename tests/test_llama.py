@@ -8,7 +8,8 @@ from hypothesis import given, strategies as st
 from conftest import tiny_llama
 from engine.draft import lower, upper
 from engine.kvcache import KVCache
-from engine.llama import apply_rope, causal_mask, rope
+import engine.llama
+from engine.llama import apply_rope, attention_kernels, causal_mask, rope
 from engine.config import config_from_hf
 
 ATOL = 1e-10
@@ -193,3 +194,36 @@ def test_one_row_without_a_mask_equals_one_row_with_the_full_mask(model):
     cache.truncate(4)
     b = model(torch.tensor([[5]]), torch.tensor([4]), cache, mask=torch.ones(1, 5, dtype=torch.bool))
     assert torch.equal(a, b)
+
+
+def test_a_cuda_forward_may_not_use_cudnn_attention_and_a_cpu_one_keeps_torchs_choice():
+    # cuDNN plans its kernel per shape, and a decoder's key length changes every step (docs/cuda.md)
+    backends = torch.backends.cuda
+    with attention_kernels(torch.device("cuda")):
+        assert not backends.cudnn_sdp_enabled()
+        assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled() and backends.math_sdp_enabled()
+    assert backends.cudnn_sdp_enabled()                       # restored on the way out
+    with attention_kernels(torch.device("cpu")):
+        assert backends.cudnn_sdp_enabled()
+
+
+def test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device(model, monkeypatch):
+    entered, seen = [], []
+
+    class Spy:
+        def __init__(self, device):
+            entered.append(device.type)
+
+        def __enter__(self):
+            seen.append("in")
+
+        def __exit__(self, *exc):
+            seen.append("out")
+
+    monkeypatch.setattr(engine.llama, "attention_kernels", Spy)
+    for layer in model.layers:
+        attend = layer.attention.attend
+        monkeypatch.setattr(layer.attention, "attend", lambda *a, f=attend, **k: seen.append("attend") or f(*a, **k))
+    model(torch.tensor([[1, 2, 3]]), torch.arange(3), KVCache.for_model(model, 8))
+    assert entered == ["cpu"]
+    assert seen == ["in"] + ["attend"] * len(model.layers) + ["out"]

@@ -18,7 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.llama import Llama
+from engine.llama import Llama, attention_kernels
 
 MOST_ROWS = 32   # rows per batch-invariant matmul call (packed.PackedLinear): oneDNN's 2..32-row kernel
 
@@ -113,7 +113,7 @@ def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     mask[torch.arange(k), n + torch.arange(k)] = True                  # (k, n + k): own key, even ones
     mask = mask.to(x.device)
     attend = model.layers[0].attention.attend
-    with torch.inference_mode():
+    with torch.inference_mode(), attention_kernels(x.device):       # the kernels a forward may use
         rows = attend(q, *kv, attn_mask=mask, enable_gqa=True)       # (1, H, k, D)
         alone = torch.cat([attend(q[:, :, r:r + 1], *(t[:, :, mask[r]] for t in kv), enable_gqa=True)
                            for r in range(k)], 2)

@@ -181,3 +181,25 @@ def test_a_prompt_from_an_empty_cache_is_one_sdpa_call_and_a_tree_there_is_not()
     for r in range(T):
         keys = tree[r].nonzero().squeeze(1)
         assert torch.equal(rows[:, :, r:r + 1], SDPA(q[:, :, r:r + 1], k[:, :, keys], v[:, :, keys], enable_gqa=True)), r
+
+
+def test_the_row_probe_attends_under_the_kernels_a_forward_on_its_device_may_use(monkeypatch):
+    # on CUDA a forward may not use cuDNN (engine/llama.py); a probe free to would judge another kernel
+    from engine.llama import Llama, LlamaConfig
+    cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=48, vocab_size=32)
+    model, inside, calls = Llama(cfg).float().requires_grad_(False), [], []
+
+    class Spy:
+        def __init__(self, device):
+            self.device = device
+
+        def __enter__(self):
+            inside.append(self.device.type)
+
+        def __exit__(self, *exc):
+            inside.pop()
+
+    monkeypatch.setattr(invariant, "attention_kernels", Spy)
+    monkeypatch.setattr(model.layers[0].attention, "attend", lambda *a, **k: calls.append(list(inside)) or SDPA(*a, **k))
+    invariant.rows_round_alike(model)
+    assert calls and all(c == ["cpu"] for c in calls)

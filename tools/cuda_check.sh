@@ -13,7 +13,7 @@
 # OUT/log.txt, OUT/pytest.txt, OUT/attention/, OUT/exact/, OUT/bench-*/.
 set -u
 CK=$1; OUT=$2; PY=${3:-python3}; N=32; L=$OUT/log.txt
-$PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" || { echo "error: no CUDA device here" >&2; exit 2; }
+$PY -c "import torch, sys; sys.exit(not torch.cuda.is_available())" 2>/dev/null || { echo "error: no CUDA device here" >&2; exit 2; }
 mkdir -p "$OUT"
 export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/engine-cuda-check}
 { date; nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } >> "$L" 2>&1
@@ -27,6 +27,7 @@ if [ "$CK" = tests ]; then
 fi
 P="Explain in two sentences why the sky is blue."
 {
+  date +"%T the CLI"
   for a in "--decoder plain" "--decoder lookahead" "--decoder lookahead --window 5 --ngram 4 --guesses 5" \
            "--decoder lookup" "--decoder speculative --num-draft 4" "--decoder contrastive --beta 0 --speculative" \
            "--decoder plain --dtype bfloat16" "--decoder lookahead --dtype bfloat16" \
@@ -41,10 +42,12 @@ P="Explain in two sentences why the sky is blue."
   done
   rm -f "$OUT/run.json" "$OUT/run.err"
 } >> "$L" 2>&1
-timeout 150 $PY -m tools.exact --device cuda --checkpoint "$CK" --paths fp32,bf16 --no-batch-invariant --quick \
+date +"%T tools.exact" >> "$L"
+timeout 200 $PY -m tools.exact --device cuda --checkpoint "$CK" --paths fp32,bf16 --no-batch-invariant --quick \
   --max-new-tokens $N --out "$OUT/exact" >> "$L" 2>&1
 echo "exact rc=$?" >> "$L"
 for dt in float32 bfloat16; do
+  date +"%T bench $dt" >> "$L"
   timeout 100 $PY -m tools.bench --device cuda --checkpoint "$CK" --dtype $dt --quick --rounds 1 \
     --configs "lookahead W15 N5 G15,lookahead auto,lookup,plain again" --out "$OUT/bench-$dt" >> "$L" 2>&1
   echo "bench $dt rc=$?" >> "$L"

@@ -143,8 +143,14 @@ def model_key(model: Llama) -> str:
     """What a measured price depends on: the machine, torch, dtype, kernels and model shape."""
     w, layer = model.tok_embeddings.weight, model.layers[0]
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                              torch.__version__, w.device, w.dtype, type(layer.feed_forward.w13).__name__,
+                              torch.__version__, device_name(w.device), w.dtype, type(layer.feed_forward.w13).__name__,
                               layer.attention.attend.__name__, model.config)))
+
+
+def device_name(device: torch.device) -> str:
+    """The device as a price depends on it: a GPU by its name too, so one host's tables for two
+    GPUs are kept apart (a CPU's name and ISA are in the key already)."""
+    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,

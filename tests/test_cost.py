@@ -181,3 +181,13 @@ def test_a_draft_price_is_measured_once_and_read_back(tmp_path, monkeypatch):
     path.write_text('{"draft_cost": 0}')
     with pytest.raises(ValueError, match=path.name):
         cost.draft_price(target, draft, tmp_path)
+
+
+def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_before(monkeypatch):
+    # a table measured on one GPU would price another's k-row forwards; a CPU's key must not
+    # change, or every machine would measure its table again
+    names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
+    monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
+    cuda = torch.device("cuda:0")
+    assert cost.device_name(cuda) != cost.device_name(cuda)
+    assert cost.device_name(torch.device("cpu")) == "cpu"

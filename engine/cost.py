@@ -143,8 +143,8 @@ def model_key(model: Llama) -> str:
     """What a measured price depends on: the machine, torch, dtype, kernels and model shape."""
     w, layer = model.tok_embeddings.weight, model.layers[0]
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                              torch.__version__, device_name(w.device), w.dtype, type(layer.feed_forward.w13).__name__,
-                              layer.attention.attend.__name__, model.config)))
+                              torch.__version__, device_name(w.device), w.dtype,
+                              type(layer.feed_forward.w13).__name__, layer.attention.attend.__name__, model.config)))
 
 
 def device_name(device: torch.device) -> str:

@@ -200,6 +200,10 @@ def test_the_row_probe_attends_under_the_kernels_a_forward_on_its_device_may_use
             inside.pop()
 
     monkeypatch.setattr(invariant, "attention_kernels", Spy)
-    monkeypatch.setattr(model.layers[0].attention, "attend", lambda *a, **k: calls.append(list(inside)) or SDPA(*a, **k))
+    def attend(*a, **k):
+        calls.append(list(inside))
+        return SDPA(*a, **k)
+
+    monkeypatch.setattr(model.layers[0].attention, "attend", attend)
     invariant.rows_round_alike(model)
     assert calls and all(c == ["cpu"] for c in calls)

@@ -133,7 +133,7 @@ def causal_mask(cached: int, T: int, device=None) -> Tensor:
 
 # subtle: on CUDA, torch hands bf16 attention to cuDNN, which plans its kernel per shape; a
 # decoder's key length grows every step, so every step paid for a new plan: ~1.3 ms per call,
-# 11.6 bf16 tok/s against 56 without it on an H200 (docs/cuda.md). These take any key length.
+# 11.6 bf16 tok/s against 56 without it on an H200 (docs/cuda.md). These plan nothing per shape.
 CUDA_ATTENTION = [SDPBackend.FLASH_ATTENTION, SDPBackend.EFFICIENT_ATTENTION, SDPBackend.MATH]
 
 

@@ -191,3 +191,6 @@ def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_befor
     cuda = torch.device("cuda:0")
     assert cost.device_name(cuda) != cost.device_name(cuda)
     assert cost.device_name(torch.device("cpu")) == "cpu"
+    # and the key a table is kept under holds it
+    monkeypatch.setattr(cost, "device_name", lambda device: "the device's name")
+    assert "the device's name" in cost.model_key(tiny_llama(0))

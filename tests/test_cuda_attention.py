@@ -10,7 +10,7 @@ from tools.cuda_attention import chosen, step_ms
 
 def test_timing_a_kernel_set_restores_the_engines_choice_even_when_a_step_fails(monkeypatch):
     model, before = tiny_llama(), engine.llama.CUDA_ATTENTION
-    assert step_ms(model, [B.MATH], steps=2, prompt=4) > 0
+    step_ms(model, [B.MATH], steps=2, prompt=4)
     assert engine.llama.CUDA_ATTENTION is before
     forward = model.forward
     monkeypatch.setattr(model, "forward", lambda t, *a, **k: forward(t, *a, **k) if t.shape[1] > 1 else 1 / 0)
@@ -22,4 +22,4 @@ def test_timing_a_kernel_set_restores_the_engines_choice_even_when_a_step_fails(
 def test_it_names_the_kernel_torch_picks_and_none_where_no_allowed_kernel_fits():
     model = tiny_llama()
     assert chosen(model, [B.MATH]) == "MATH"
-    assert chosen(model, [B.CUDNN_ATTENTION]) == "none"      # no cuDNN on a CPU
+    assert chosen(model, [B.CUDNN_ATTENTION]) == "none"      # no cuDNN on a CPU: said, not raised

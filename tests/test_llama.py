@@ -199,12 +199,17 @@ def test_one_row_without_a_mask_equals_one_row_with_the_full_mask(model):
 def test_a_cuda_forward_may_not_use_cudnn_attention_and_a_cpu_one_keeps_torchs_choice():
     # cuDNN plans its kernel per shape, and a decoder's key length changes every step (docs/cuda.md)
     backends = torch.backends.cuda
+    before = backends.cudnn_sdp_enabled()
     with attention_kernels(torch.device("cuda")):
         assert not backends.cudnn_sdp_enabled()
         assert backends.flash_sdp_enabled() and backends.mem_efficient_sdp_enabled() and backends.math_sdp_enabled()
-    assert backends.cudnn_sdp_enabled()                       # restored on the way out
-    with attention_kernels(torch.device("cpu")):
-        assert backends.cudnn_sdp_enabled()
+    assert backends.cudnn_sdp_enabled() == before             # restored on the way out
+    backends.enable_cudnn_sdp(True)
+    try:
+        with attention_kernels(torch.device("cpu")):
+            assert backends.cudnn_sdp_enabled()               # torch's own choice, untouched
+    finally:
+        backends.enable_cudnn_sdp(before)
 
 
 def test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device(model, monkeypatch):
@@ -225,5 +230,5 @@ def test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device(mo
         attend = layer.attention.attend
         monkeypatch.setattr(layer.attention, "attend", lambda *a, f=attend, **k: seen.append("attend") or f(*a, **k))
     model(torch.tensor([[1, 2, 3]]), torch.arange(3), KVCache.for_model(model, 8))
-    assert entered == ["cpu"]
+    assert entered == [model.tok_embeddings.weight.device.type]
     assert seen == ["in"] + ["attend"] * len(model.layers) + ["out"]

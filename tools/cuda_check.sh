@@ -4,10 +4,10 @@
 #
 #   bash tools/cuda_check.sh tests OUT [PYTHON]        # the decoders' property tests on the GPU
 #                                                      # (make test-cuda's), the attention kernels'
-#                                                      # step cost (tools.cuda_attention): ~2 min
+#                                                      # step cost (tools.cuda_attention): ~1.5 min
 #   bash tools/cuda_check.sh CHECKPOINT OUT [PYTHON]   # every decoder through the CLI against plain,
 #                                                      # every decoder against plain on the bench
-#                                                      # prompts (tools.exact), the speed tables: ~5 min
+#                                                      # prompts (tools.exact), the speed tables: about 8 min
 #
 # Each part has its own time limit, so a slow part costs its limit, not the run. Results:
 # OUT/log.txt, OUT/pytest.txt, OUT/attention/, OUT/exact/, OUT/bench-*/.

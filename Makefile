@@ -46,7 +46,8 @@ test: weights
 # CUDA, then every decoder against plain on the real weights there (docs/cuda.md).
 test-cuda: weights
 	ENGINE_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider tests/test_lookahead.py \
-	  tests/test_lookup.py tests/test_speculative.py tests/test_contrastive.py tests/test_generate.py
+	  tests/test_lookup.py tests/test_speculative.py tests/test_contrastive.py tests/test_generate.py \
+	  tests/test_llama.py::test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device
 	$(PY) -m tools.exact --device cuda --paths fp32,bf16 --no-batch-invariant --quick --max-new-tokens 32
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then

@@ -229,6 +229,7 @@ def test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device(mo
     for layer in model.layers:
         attend = layer.attention.attend
         monkeypatch.setattr(layer.attention, "attend", lambda *a, f=attend, **k: seen.append("attend") or f(*a, **k))
-    model(torch.tensor([[1, 2, 3]]), torch.arange(3), KVCache.for_model(model, 8))
-    assert entered == [model.tok_embeddings.weight.device.type]
+    device = model.tok_embeddings.weight.device        # make test-cuda runs this one on a GPU
+    model(torch.tensor([[1, 2, 3]], device=device), torch.arange(3, device=device), KVCache.for_model(model, 8))
+    assert entered == [device.type]
     assert seen == ["in"] + ["attend"] * len(model.layers) + ["out"]

@@ -19,7 +19,8 @@ export PYTHONUNBUFFERED=1 XDG_CACHE_HOME=${XDG_CACHE_HOME:-/tmp/engine-cuda-chec
 { date; nvidia-smi -L; $PY -c "import torch; print('torch', torch.__version__, torch.cuda.get_device_name())"; } >> "$L" 2>&1
 if [ "$CK" = tests ]; then
   ENGINE_TEST_DEVICE=cuda timeout 150 $PY -m pytest -q -p no:cacheprovider -rf tests/test_lookahead.py \
-    tests/test_lookup.py tests/test_speculative.py tests/test_contrastive.py tests/test_generate.py > "$OUT/pytest.txt" 2>&1
+    tests/test_lookup.py tests/test_speculative.py tests/test_contrastive.py tests/test_generate.py \
+    tests/test_llama.py::test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" >> "$L"
   timeout 150 $PY -m tools.cuda_attention --out "$OUT/attention" >> "$L" 2>&1
   echo "attention rc=$?" >> "$L"; date >> "$L"

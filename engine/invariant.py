@@ -18,6 +18,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
+from engine.kvcache import attention_dtype
 from engine.llama import Llama, attention_kernels
 
 MOST_ROWS = 32   # rows per batch-invariant matmul call (packed.PackedLinear): oneDNN's 2..32-row kernel
@@ -106,8 +107,9 @@ def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     layers = [model.layers[0].attention.wqkv, model.layers[0].feed_forward.w13,
               model.packed_head or (lambda h: model.head(h[None])[0])]
     n = 300     # cached keys: past SDPA's first split of keys
-    q = torch.randn(1, c.n_heads, k, c.head_dim, generator=g).to(x)
-    kv = [torch.randn(1, c.n_kv_heads, n + k, c.head_dim, generator=g).to(x) for _ in range(2)]
+    a = attention_dtype(x.dtype, x.device)                            # the dtype the model attends in
+    q = torch.randn(1, c.n_heads, k, c.head_dim, generator=g).to(x.device, a)
+    kv = [torch.randn(1, c.n_kv_heads, n + k, c.head_dim, generator=g).to(x.device, a) for _ in range(2)]
     mask = torch.ones(k, n + k, dtype=torch.bool)
     mask[:, n:] = (torch.arange(k)[None, :] <= torch.arange(k)[:, None]) & (torch.arange(k) % 2 == 0)
     mask[torch.arange(k), n + torch.arange(k)] = True                  # (k, n + k): own key, even ones

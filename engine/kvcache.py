@@ -13,6 +13,20 @@ import torch
 from torch import Tensor
 
 
+# subtle: read once, at import, as torch reads ATEN_CPU_CAPABILITY once
+ATEN_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+
+
+def attention_dtype(dtype: torch.dtype, device) -> torch.dtype:
+    """The dtype a model's K/V are kept and attended in: its own, but fp32 for bf16 on a CPU
+    whose ATen kernels are not AVX-512's. Without native bf16 there, SDPA in bf16 takes 3.7x
+    fp32's time at 150 keys and 6.7x at 1,000 (docs/speed.md, run 15); fp32 K/V cost twice the
+    memory and three small casts per layer."""
+    if dtype != torch.bfloat16 or ATEN_CAPABILITY == "AVX512":    # the hot path: one test a layer
+        return dtype
+    return torch.float32 if torch.device(device if device is not None else "cpu").type == "cpu" else dtype
+
+
 def available_bytes(device) -> int | None:
     """Memory a new allocation on `device` can still get; None when the platform cannot say.
 
@@ -64,7 +78,7 @@ class KVCache:
 
     @classmethod
     def for_model(cls, model, capacity: int, batch: int = 1, scratch: int | None = None) -> KVCache:
-        """A cache shaped for `model` (a Llama), on its device and in its dtype.
+        """A cache shaped for `model` (a Llama), on its device, in its attention's dtype.
 
         scratch: the slots of `capacity` that only ever hold one step's candidate rows (which
         share positions); the rest are tokens at positions 0.., which must fit in the model's
@@ -74,7 +88,8 @@ class KVCache:
         if scratch is not None and capacity - scratch > cfg.max_seq_len:
             raise ValueError(f"prompt + new tokens = {capacity - scratch} positions exceed the "
                              f"model's context ({cfg.max_seq_len})")
-        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, batch, w.dtype, w.device)
+        return cls(cfg.n_layers, cfg.n_kv_heads, cfg.head_dim, capacity, batch,
+                   attention_dtype(w.dtype, w.device), w.device)
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
         """Write k, v (B, Hkv, T, D) after the committed slots; return views of all S = length + T."""

@@ -26,7 +26,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.kvcache import KVCache
+from engine.kvcache import KVCache, attention_dtype
 
 
 @dataclass(frozen=True)
@@ -163,6 +163,9 @@ class Attention(nn.Module):
         qkv = self.wqkv(h).view(B, T, H + 2 * Hkv, D).transpose(1, 2)   # (B, H+2Hkv, T, D)
         qk = apply_rope(qkv[:, :H + Hkv], cos, sin)                      # (B, H+Hkv, T, D)
         q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + Hkv:]                 # (B, H|Hkv|Hkv, T, D)
+        work = attention_dtype(h.dtype, h.device)   # bf16 on a CPU without native bf16: fp32
+        if work != h.dtype:
+            q, k, v = q.to(work), k.to(work), v.to(work)
         if cache is not None:
             k, v = cache.append(layer, k, v)                               # (B, Hkv, S, D)
         if rows is not None:                                               # frozen rows: K/V only
@@ -170,7 +173,7 @@ class Attention(nn.Module):
         Tq = q.shape[2]
         # softmax(q k^T / sqrt(D) + log mask) v, each kv head shared by H / Hkv query heads
         y = self.attend(q, k, v, attn_mask=mask, enable_gqa=True)                      # (B, H, Tq, D)
-        return self.wo(y.transpose(1, 2).reshape(B, Tq, H * D))                        # (B, Tq, C)
+        return self.wo(y.transpose(1, 2).reshape(B, Tq, H * D).to(h.dtype))            # (B, Tq, C)
 
 
 class FeedForward(nn.Module):

@@ -4,6 +4,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
+from engine import kvcache
 from engine.kvcache import KVCache
 
 
@@ -77,3 +78,27 @@ def test_bad_truncate_and_keep_are_errors():
         c.truncate(6)
     with pytest.raises(ValueError):
         c.keep(3, [2])
+
+
+@pytest.mark.parametrize("capability, attends", [("AVX2", torch.float32), ("DEFAULT", torch.float32),
+                                                 ("AVX512", torch.bfloat16)])
+def test_bf16_attends_in_fp32_only_where_the_cpu_lacks_native_bf16(monkeypatch, capability, attends):
+    # SDPA in bf16 costs 3.7-6.7x fp32's on a CPU whose ATen kernels are not AVX-512's (run 15)
+    monkeypatch.setattr(kvcache, "ATEN_CAPABILITY", capability)
+    assert kvcache.attention_dtype(torch.bfloat16, "cpu") == attends
+    assert kvcache.attention_dtype(torch.bfloat16, "cuda") == torch.bfloat16     # a GPU keeps its own
+    for other in (torch.float32, torch.float64, torch.float16):
+        assert kvcache.attention_dtype(other, "cpu") == other
+    model = tiny_llama(0).to(torch.bfloat16)
+    cache = KVCache.for_model(model, 8)
+    assert cache.k.dtype == cache.v.dtype == attends
+    seen = []
+    for layer in model.layers:     # every layer attends in that dtype, with a cache and without
+        attend = layer.attention.attend
+        monkeypatch.setattr(layer.attention, "attend",
+                            lambda q, k, v, f=attend, **kw: seen.append((q.dtype, k.dtype)) or f(q, k, v, **kw))
+    tokens = torch.tensor([[1, 2, 3]])
+    with_cache = model(tokens, torch.arange(3), cache)
+    alone = model(tokens, torch.arange(3))
+    assert seen == [(attends, attends)] * 2 * len(model.layers)
+    assert with_cache.dtype == alone.dtype == torch.float32 and torch.equal(with_cache, alone)

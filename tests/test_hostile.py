@@ -350,6 +350,25 @@ def test_no_child_outlives_a_render_that_ends_early(monkeypatch, stop):
         os.kill(pids[0], 0)
 
 
+def test_a_render_that_cannot_fork_is_one_line(monkeypatch):
+    # out of processes (EAGAIN): a ValueError the CLI prints as one line, not an OSError
+    def no_fork():
+        raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
+    monkeypatch.setattr(os, "fork", no_fork)
+    with pytest.raises(ValueError, match="cannot start its renderer") as e:
+        template.render("{{ 'hi' }}", 100)
+    assert "\n" not in str(e.value)
+
+
+def test_a_render_works_where_sigchld_is_ignored():
+    # a host process may ignore SIGCHLD, so the kernel reaps the child and waitpid finds none
+    old = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        assert template.render("{{ messages[0].content }}!", 100, messages=[{"content": "hi"}]) == "hi!"
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+
+
 def test_numbers_outside_a_format_spec_render_as_text(ckpt):
     # a template that formats text holding a phone number or a date renders as Python would
     tok = copy.copy(Tokenizer.load(ckpt))
@@ -358,7 +377,7 @@ def test_numbers_outside_a_format_spec_render_as_text(ckpt):
     assert tok.render_chat([{"role": "user", "content": "hi"}]) == "Call 18005551234, now id 99999999999   x %d   2.5"
 
 
-def test_a_hostile_template_in_the_checkpoint_is_one_cli_line(ckpt, tmp_path, capsys):
+def test_a_hostile_template_in_the_checkpoint_is_one_cli_line(ckpt, tmp_path, capsys, short_deadline):
     d = edited(ckpt, tmp_path, "chat_template.jinja", HOSTILE_TEMPLATES["nested range loops"])
     line = one_error_line(run_main, ["--checkpoint", str(d), "--prompt", "hi", "--max-new-tokens", "4"], capsys, seconds=5)
     assert "chat template" in line

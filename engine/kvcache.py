@@ -40,9 +40,10 @@ def available_bytes(device) -> int | None:
     if device.type != "cpu":
         return None
     try:
-        for line in open("/proc/meminfo"):
-            if line.startswith("MemAvailable:"):
-                return int(line.split()[1]) * 1024
+        with open("/proc/meminfo") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024
     except (OSError, ValueError, IndexError):
         pass
     try:

@@ -54,7 +54,7 @@ def in_child(source: str, max_chars: int, context: dict) -> dict:
         code = 1
         try:
             os.close(r)
-            cap_memory()
+            cap_memory(MEMORY_BYTES)
             answer = json.dumps(rendered(source, max_chars, context), ensure_ascii=False).encode()
             with os.fdopen(w, "wb") as f:
                 f.write(answer)
@@ -89,14 +89,16 @@ def read_until(fd: int, deadline: float) -> bytes:
         data += chunk
 
 
-def cap_memory() -> None:
-    """Cap this process's address space at what it has now plus MEMORY_BYTES, where Linux can
-    say what it has (/proc); past the cap an allocation is a MemoryError, not a swapping host."""
+def cap_memory(extra: int) -> None:
+    """Cap this process's address space at what it maps now plus `extra` bytes, where Linux can
+    say what it maps (/proc): past the cap an allocation is a MemoryError, not a swapping host.
+    (The proof tool's child process runs a sampler under the same cap.)"""
     with contextlib.suppress(ImportError, OSError, ValueError):
         import resource
-        have = int(open("/proc/self/statm").read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
+        with open("/proc/self/statm") as f:
+            have = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
         hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        soft = have + MEMORY_BYTES if hard == resource.RLIM_INFINITY else min(have + MEMORY_BYTES, hard)
+        soft = have + extra if hard == resource.RLIM_INFINITY else min(have + extra, hard)
         resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
 
 

@@ -39,7 +39,6 @@ import itertools
 import json
 import math
 import multiprocessing
-import resource
 import sys
 import time
 from pathlib import Path
@@ -49,7 +48,9 @@ from typing import Callable, Iterator
 import torch
 
 from engine.generate import Step
+from engine.kvcache import available_bytes
 from engine.sampling import Random, Sampler, verify_rejection
+from engine.template import cap_memory
 from tools.cli import Parser, first
 from tools.exact_law import decoder_law, max_gap, reference_law
 
@@ -537,15 +538,10 @@ def child_main(send, work) -> None:
 
 def limit_memory() -> None:
     """Cap this process's address space at what it maps now plus MEMORY (or half the free
-    memory): a sampler that allocates without bound gets a MemoryError, not the machine."""
-    try:
-        free = next(int(l.split()[1]) * 1024 for l in open("/proc/meminfo") if l.startswith("MemAvailable:"))
-        size = int(open("/proc/self/statm").read().split()[0]) * resource.getpagesize()
-        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        soft = size + min(MEMORY, free // 2)
-        resource.setrlimit(resource.RLIMIT_AS, (soft if hard == resource.RLIM_INFINITY else min(soft, hard), hard))
-    except (OSError, ValueError, StopIteration):
-        pass   # no /proc: the time limit still stops it
+    memory): a sampler that allocates without bound gets a MemoryError, not the machine. Without
+    /proc nothing is capped: the time limit still stops it."""
+    free = available_bytes("cpu")
+    cap_memory(MEMORY if free is None else min(MEMORY, free // 2))
 
 
 if __name__ == "__main__":

@@ -43,6 +43,9 @@ def render(source: str, max_chars: int, **context) -> str:
 
 def in_child(source: str, max_chars: int, context: dict) -> dict:
     """rendered(), run in a forked child that is killed at the deadline, whatever it is doing."""
+    # subtle: Python >= 3.12 warns (DeprecationWarning) that a fork in a process with threads
+    # (torch's) may deadlock the child on a lock another thread held; this child takes none of
+    # torch's, and one stuck on any lock ends at the deadline like a template that loops
     try:
         r, w = os.pipe()
         pid = os.fork()

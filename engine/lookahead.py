@@ -189,6 +189,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     prompt lookup from the pool (W = G = 0 is refused: plain decoding under another name).
     `policy` (engine/policy.py, Lookahead) chooses each step instead: a copy of the text sent
     alone, a plain step, or the first W' <= W columns and G' guesses; columns not sent pause.
+    With a policy, W and G are the largest it may choose (`window` and `guesses` are not read).
     `trace` puts the step's levels, guesses, choice and verdict in `Step.trace`.
     """
     N, W = ngram, next((k for k in (window, guesses) if k is not None), 5)
@@ -259,8 +260,8 @@ def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, .
     of text's last N-1 tokens (prompt lookup: a longer match predicts better than x alone),
     then the pool's n-grams for x, most recent first."""
     copy = tuple(find(text, N - 1, N - 1)[0])
-    first = [copy] if len(copy) == N - 1 else []
-    return (first + [g for g in pool.guesses(text[-1]) if g != copy])[:G]
+    lead = [copy] if len(copy) == N - 1 else []
+    return (lead + [g for g in pool.guesses(text[-1]) if g != copy])[:G]
 
 
 def advance(pool: Pool, grid: list[list[int]], x: int, new: list[int]) -> list[list[int]]:

@@ -70,11 +70,11 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         feed = text[cache.length:] + guess                # the prompt at first, then the last token
         positions = torch.arange(cache.length, cache.length + len(feed), device=device)
         logits = model(torch.tensor([feed], device=device), positions, cache,
-                       keep=list(range(-len(guess) - 1, 0)))[0]                # (1+K, V)
-        cand = torch.tensor([guess], dtype=torch.long).view(1, len(guess))     # (1, K)
+                       keep=list(range(-len(guess) - 1, 0)))[0]                # (1 + len(g), V)
+        cand = torch.tensor([guess], dtype=torch.long).view(1, len(guess))     # (1, len(g))
         out, _ = verify_match(logits[0], logits[None, 1:], cand, sampler, rng, n)
         cache.truncate(n + len(out) - 1)                  # keep the accepted guesses; y[-1] is fed next
         text += out
-        info = {"kind": "lookup", "position": n, "ngram": m, "source": start, "guess": guess,
-                "accepted": len(out) - 1, "next": out[-1]} if trace else None
+        info = {"kind": "lookup", "position": n, "ngram": m, "source": start, "guess": guess, "found": len(full),
+                "first": n == len(prompt), "accepted": len(out) - 1, "next": out[-1]} if trace else None
         yield Step(out, drafted=len(guess), accepted=len(out) - 1, trace=info)

@@ -327,7 +327,10 @@ def run(args) -> dict:
     # --batch-invariant (bf16 and int4's default) makes every kernel row-invariant
     # (engine/invariant.py), probed on this CPU
     exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model)
-    return {"decoder": args.decoder, "text": text, "exact_path": exact,
+    # the tokens a decoder of k-row forwards is held to: plain's, or contrastive's own one-row steps
+    held_to = "contrastive's" if args.decoder == "contrastive" else "plain's"
+    one_row = args.decoder == "plain" or args.decoder == "contrastive" and not args.speculative
+    return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": None if one_row else held_to,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
@@ -423,20 +426,22 @@ def warn(line: str) -> None:
 def stats_line(r: dict) -> str:
     """The stderr stats line; every field is defined in STATS_HELP (--help)."""
     hist = " ".join(f"{k}x{v}" for k, v in r["step_lengths"].items())
+    held = r.get("held_to", None if r["decoder"] == "plain" else "plain's")   # whose tokens it must print
     draft = f" | {r['draft_forwards']} draft forwards" if r["draft_forwards"] else ""
-    if "draft" in r:   # which draft (--draft auto chose one), and the memory it adds
-        mb = f", +{r['draft_mb']:.0f} MB" if r["draft_mb"] else ""
-        draft = f" | {r['draft_forwards']} draft forwards ({r['draft']}{mb})"
+    for m in ("draft", "amateur"):   # which model (--draft auto chose one), and the memory it adds
+        if m in r:
+            mb = f", +{r[m + '_mb']:.0f} MB" if r[m + "_mb"] else ""
+            draft = f" | {r['draft_forwards']} draft forwards ({'amateur ' * (m == 'amateur')}{r[m]}{mb})"
     acc = "" if r["acceptance"] is None else (
         f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"
         + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))
     return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
             f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
-            + ("" if r["exact_path"] or r["decoder"] == "plain" else
-               " | near-exact path: a near-tie may leave plain's tokens (--batch-invariant on a CPU: exact)"
+            + ("" if r["exact_path"] or not held else
+               f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant on a CPU: exact)"
                if r.get("near_exact") else
-               " | inexact path: tokens may differ from plain's (k-row forwards round apart)"))
+               f" | inexact path: tokens may differ from {held} (k-row forwards round apart)"))
 
 
 def quiet_stdout() -> None:

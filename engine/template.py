@@ -4,10 +4,11 @@ Templates ship with downloaded weights. jinja2's sandbox keeps a template from P
 internals, not from working without end, and nothing inside a process can stop one C call
 once it has begun (`'A' * 10**10`, a join, a big power). So a template renders in a child
 process: the sandbox inside it, its address space capped, its output held to what the model's
-context could hold, and the parent kills it at a deadline. Every failure, the template's own
-bugs included, is one ValueError line. A reader learning decoding may skip it.
+context could hold, and the parent kills it if it runs past a deadline. Every failure, the
+template's own bugs included, is one ValueError line. A reader learning decoding may skip it.
 
-    parent: fork -> read the child's answer until EOF or the deadline -> SIGKILL, reap
+    parent: fork -> read the child's answer until EOF -> reap it
+            (the deadline passes, or Ctrl-C: SIGKILL it first)
     child:  cap memory -> render in the sandbox -> write {"text"} or {"error"} -> _exit
 """
 from __future__ import annotations
@@ -73,7 +74,7 @@ def in_child(source: str, max_chars: int, context: dict) -> dict:
     finally:                # and is reaped, on every way out
         os.close(r)
         status = reap(pid)
-    if status or not answer:   # killed before it answered: the kernel's OOM killer, a crash in C
+    if status or not answer:   # it ended without an answer: OOM-killed, a crash in C, an error writing
         return {"error": f"chat template: its renderer died ({describe(status)})"}
     return json.loads(answer)
 
@@ -144,7 +145,9 @@ def reap(pid: int) -> int:
 
 
 def describe(status: int) -> str:
-    return f"signal {os.WTERMSIG(status)}" if os.WIFSIGNALED(status) else f"exit code {os.waitstatus_to_exitcode(status)}"
+    if os.WIFSIGNALED(status):
+        return f"signal {os.WTERMSIG(status)}"
+    return f"exit code {os.waitstatus_to_exitcode(status)}"
 
 
 def raise_exception(message):   # HF templates' way to refuse a chat

@@ -107,7 +107,9 @@ class Tracer:
 
     def lookup(self, head, t):
         if not t["guess"]:
-            return [f"{head}  no n-gram match: plain step  {self.show([t['next']])}"]
+            why = ("the prompt's step (plain's)" if t.get("first") else "no n-gram match: plain step"
+                   if not t.get("found") else f"a match @{t['source']}, none sent (the policy's price): plain step")
+            return [f"{head}  {why}  {self.show([t['next']])}"]
         return [f"{head}  the last {t['ngram']} token(s) also stand @{t['source']}; the {len(t['guess'])} "
                 f"after them: {self.show(t['guess'])}",
                 f"  accepted {t['accepted']} of {len(t['guess'])}, then {self.show([t['next']])}",

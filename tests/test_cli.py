@@ -317,7 +317,7 @@ def test_lookup_traces_its_steps_and_prints_plain_greedy_text(capsys):
     out, err = capsys.readouterr()
     got = json.loads(out)
     assert got["text"] == "The capital of France is Paris." and got["n_tokens"] == 8
-    emitted = [l for l in err.splitlines() if "emitted" in l or "plain step" in l]
+    emitted = [l for l in err.splitlines() if "emitted" in l or "plain step" in l or "(plain's)" in l]
     assert len(emitted) == got["n_forwards"] and err.startswith("#0 @")
     assert got["accepted"] == got["n_tokens"] - got["n_forwards"]
 
@@ -347,6 +347,9 @@ def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     assert "inexact path" in stats_line(r)
     assert "inexact" not in stats_line(r | {"exact_path": True})
     assert "inexact" not in stats_line(r | {"decoder": "plain"})
+    # contrastive is held to its own one-row steps: --speculative may leave them, alone it cannot
+    assert "differ from contrastive's" in stats_line(r | {"decoder": "contrastive", "held_to": "contrastive's"})
+    assert "inexact" not in stats_line(r | {"decoder": "contrastive", "held_to": None})
 
 
 @real

@@ -62,6 +62,9 @@ def lies(steps, rng, sampler) -> list[str]:
             m, at = t["ngram"], t["source"]
             if text[at:at + m] != text[-m:] or text[at + m:at + m + len(t["guess"])] != t["guess"]:
                 wrong.append(f"step {n}: no match of the last {m} tokens @{at} followed by {t['guess']}")
+        if t["kind"] == "lookup" and (t["first"] != (n == 0) or bool(t["found"]) != bool(
+                lookup.find(text, 3, 8)[0] if n else [])):   # the prompt's step; a match, sent or not
+            wrong.append(f"step {n}: first={t['first']}, found={t['found']}")
         if t["kind"] == "contrastive" and sampler.greedy and t["best"][:len(step.tokens)] != step.tokens:
             wrong.append(f"step {n}: greedy picks {step.tokens}, trace says argmax {t['best']}")
         text += step.tokens
@@ -112,6 +115,8 @@ def test_printed_trace_shows_every_step_and_its_emitted_tokens(capsys):
         out = list(generate(traced(steps, tracer), max_new_tokens=10))
         printed = capsys.readouterr().err
         assert printed.count("#0 @8 ") == 1 and out
+    lines = Tracer(letters).lines(0, traced_steps("lookup", Sampler(), n_steps=1)[0][0].trace)
+    assert "the prompt's step (plain's)" in lines[0]
     steps, _ = traced_steps("lookahead W=3 N=3 G=3", Sampler(), n_steps=6)
     text = "\n".join(line for n, s in enumerate(steps) for line in Tracer(letters).lines(n, s.trace))
     assert "mask, shape changed" in text and "window level 1" in text
@@ -143,9 +148,15 @@ def lie_expert_pick(t):      # the expert's argmax shown as the contrastive one
         t["best"] = t["expert"]
 
 
+def lie_no_match(t):         # a match the policy priced out shown as no match at all
+    if t["kind"] == "lookup":
+        t["found"] = 0
+
+
 LIARS = {
     "lookahead reports the guess": (lie_whole_guess, "lookahead W=3 N=3 G=3"),
     "lookup reports the copy": (lie_whole_guess, "lookup"),
+    "lookup hides its match": (lie_no_match, "lookup"),
     "speculative accepts every draft": (lie_all_accepted, "speculative K=3"),
     "speculative shows another u": (lie_fresh_u, "speculative K=3"),
     "contrastive shows the expert's pick": (lie_expert_pick, "contrastive"),

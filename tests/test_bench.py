@@ -89,6 +89,21 @@ def test_a_text_only_reference_is_a_row_whose_tokens_are_not_compared():
     assert table["plain"]["a"]["same_tokens_as_plain"] == 1.0
 
 
+def test_the_decode_table_compares_rates_with_the_prompts_forward_excluded():
+    # why: issue 24 compares decode tok/s with llama.cpp's eval rate; a prompt's forward costs
+    # the engine more than llama.cpp's prompt eval, so rates with it would compare prefills too
+    from tools.bench import CONFIGS, compare, markdown
+    model = tiny_llama(0, vocab=8)
+    timed = lambda p: {"tokens": None, "tok_s": 2.0, "decode_tok_s": 3.0, "forwards": 6, "drafted": [], "accepted": []}
+    unsplit = lambda p: {"tokens": None, "tok_s": 2.0, "forwards": 6, "drafted": [], "accepted": []}
+    table = compare(model, {"a": [[1, 2, 3]]}, {"plain": CONFIGS["plain"], "llama.cpp": timed, "hf": unsplit},
+                    repeats=1, max_new_tokens=6)
+    assert table["llama.cpp"]["a"]["decode_tok_s"] == 3.0 and table["hf"]["a"]["decode_tok_s"] is None
+    assert table["plain"]["a"]["decode_tok_s"] > 0
+    decode = markdown(table).split("Decode tok/s")[1]
+    assert "| llama.cpp | 3.0 | 3.0 |" in decode and "| hf | - | - |" in decode
+
+
 def test_a_bad_llama_cpp_binary_exits_2_before_the_long_run(tmp_path, capsys):
     from tools.bench import main
     from engine.weights import DEFAULT_CHECKPOINT

@@ -288,6 +288,9 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
             n = lambda m: m["forwards"] if m["tokens"] is None else len(m["tokens"])
             rows[cat] = {
                 "tok_s": statistics.median(m["tok_s"] for m in mine),
+                # the prompt's forward excluded (llama.cpp: its eval rate), as issue 24 compares them
+                "decode_tok_s": statistics.median(m["decode_tok_s"] for m in mine)
+                if all(m.get("decode_tok_s") for m in mine) else None,
                 "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
                 "tokens_per_forward": sum(map(n, mine)) / sum(m["forwards"] for m in mine),
                 "same_tokens_as_plain": None if mine[0]["tokens"] is None else
@@ -442,6 +445,11 @@ def markdown(table: dict) -> str:
         same = [rows[c]["same_tokens_as_plain"] for c in cats]
         same = "not compared" if None in same else f"{min(same):.0%}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {same} |")
+    lines += ["", "Decode tok/s, the prompt's forward excluded (median; llama.cpp: its eval rate; "
+              "HF's generate: not split, -):", "", head.replace(" same tokens |", ""), "|" + "---|" * (len(cats) + 1)]
+    for name, rows in table.items():
+        cells = ["-" if rows[c].get("decode_tok_s") is None else f"{rows[c]['decode_tok_s']:.1f}" for c in cats]
+        lines.append(f"| {name} | " + " | ".join(cells) + " |")
     return "\n".join(lines) + "\n"
 
 

@@ -89,6 +89,23 @@ def test_a_text_only_reference_is_a_row_whose_tokens_are_not_compared():
     assert table["plain"]["a"]["same_tokens_as_plain"] == 1.0
 
 
+def test_hfs_reference_splits_its_decode_from_its_prompt_and_answers_the_golden_tokens():
+    # why: HF's row in the decode table is the AVX2 target's yardstick (issue 24: int4 plain
+    # >= 3x HF); its rate must leave the prompt's forward out, as the engine's and llama.cpp's do
+    import sys
+    from tools.bench import hf_reference
+    from engine.weights import DEFAULT_CHECKPOINT
+    pytest.importorskip("transformers")
+    if not (DEFAULT_CHECKPOINT / "config.json").is_file():
+        pytest.skip("run `make weights` first")
+    case = json.loads((Path(__file__).parent / "golden.json").read_text())["cases"][0]
+    name, run = hf_reference(sys.executable, DEFAULT_CHECKPOINT, 8)
+    r = run(case["input_ids"])
+    assert r["tokens"] == case["output_ids"][:8] and name.startswith("HF transformers")
+    # the decode rate counts 7 tokens over the steps after the prompt's: faster than the whole
+    assert r["decode_tok_s"] > r["tok_s"] > 0
+
+
 def test_the_decode_table_compares_rates_with_the_prompts_forward_excluded():
     # why: issue 24 compares decode tok/s with llama.cpp's eval rate; a prompt's forward costs
     # the engine more than llama.cpp's prompt eval, so rates with it would compare prefills too

@@ -327,17 +327,23 @@ def bench_prompts(checkpoint: Path, quick: bool) -> tuple[dict[str, list[list[in
     return {cat: [enc(t) for t in ts[:1 if quick else None]] for cat, ts in texts.items()}, tok.eos_ids
 
 
-HF_SCRIPT = (  # one greedy generate per stdin line [prompt ids, budget] -> [new ids, seconds]
+HF_SCRIPT = (  # one greedy generate per stdin line [prompt ids, budget] -> [new ids, seconds,
+    # decode seconds]: a logits processor notes the time at each step's logits, so the span from
+    # the first to the last is the decode, the prompt's forward excluded, as the engine counts it
     "import json, sys, time, torch\n"
-    "from transformers import AutoModelForCausalLM\n"
+    "from transformers import AutoModelForCausalLM, LogitsProcessor\n"
+    "class Clock(LogitsProcessor):\n"
+    "    def __init__(self): self.t = []\n"
+    "    def __call__(self, ids, scores): self.t.append(time.perf_counter()); return scores\n"
     "d = sys.argv[2]\n"
     "m = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32).to(d).eval()\n"
     "print(json.dumps(__import__('transformers').__version__), flush=True)\n"
     "for line in sys.stdin:\n"
     "    p, n = json.loads(line)\n"
-    "    t0 = time.perf_counter()\n"
-    "    y = m.generate(torch.tensor([p], device=d), max_new_tokens=n, do_sample=False)[0, len(p):]\n"
-    "    print(json.dumps([y.tolist(), time.perf_counter() - t0]), flush=True)\n")
+    "    c, t0 = Clock(), time.perf_counter()\n"
+    "    y = m.generate(torch.tensor([p], device=d), max_new_tokens=n, do_sample=False, logits_processor=[c])\n"
+    "    y = y[0, len(p):].tolist()\n"
+    "    print(json.dumps([y, time.perf_counter() - t0, c.t[-1] - c.t[0]]), flush=True)\n")
 
 
 def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
@@ -352,6 +358,7 @@ def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
     err = tempfile.TemporaryFile(mode="w+")
 
     def skip(why: str) -> None:
+        err.close()
         if required:
             raise ValueError(f"--hf-python {python}: {why}")
         progress(f"HF reference skipped: {why}")
@@ -368,9 +375,9 @@ def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
     def run(prompt: list[int]) -> dict:
         child.stdin.write(json.dumps([prompt, max_new_tokens]) + "\n")
         child.stdin.flush()
-        tokens, seconds = json.loads(child.stdout.readline())
+        tokens, seconds, decode = json.loads(child.stdout.readline())
         return {"tokens": tokens, "tok_s": len(tokens) / seconds, "forwards": len(tokens),
-                "drafted": [], "accepted": []}
+                "decode_tok_s": (len(tokens) - 1) / decode if decode > 0 else None, "drafted": [], "accepted": []}
     return f"HF transformers {json.loads(version)} generate", run
 
 
@@ -446,7 +453,7 @@ def markdown(table: dict) -> str:
         same = "not compared" if None in same else f"{min(same):.0%}"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {same} |")
     lines += ["", "Decode tok/s, the prompt's forward excluded (median; llama.cpp: its eval rate; "
-              "HF's generate: not split, -):", "", head.replace(" same tokens |", ""), "|" + "---|" * (len(cats) + 1)]
+              "-: not split):", "", head.replace(" same tokens |", ""), "|" + "---|" * (len(cats) + 1)]
     for name, rows in table.items():
         cells = ["-" if rows[c].get("decode_tok_s") is None else f"{rows[c]['decode_tok_s']:.1f}" for c in cats]
         lines.append(f"| {name} | " + " | ".join(cells) + " |")

@@ -200,3 +200,15 @@ def test_every_tool_starts_with_docstrings_stripped():
     out = subprocess.run([sys.executable, "-OO", "-c", code], capture_output=True, text=True,
                          cwd=Path(__file__).resolve().parent.parent, timeout=300)
     assert out.returncode == 0 and out.stdout.split() == [w for t in TOOLS for w in (t, "ok")], out.stderr[-2000:]
+
+
+def test_a_figure_taken_under_another_kernel_dispatch_says_so(monkeypatch):
+    # why: `make test`'s second dispatch (ATEN_CPU_CAPABILITY=avx2 and its two companions) or
+    # OMP_NUM_THREADS change the kernels and threads a figure was measured with; the machine
+    # line every table carries names them, and names nothing when none is set
+    from tools.machine import KERNEL_ENV, describe, machine
+    for k in KERNEL_ENV:
+        monkeypatch.delenv(k, raising=False)
+    assert machine()["env"] == {} and "=" not in describe(machine())
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert describe(machine()).endswith(", ONEDNN_MAX_CPU_ISA=AVX2")

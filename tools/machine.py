@@ -11,6 +11,9 @@ import torch
 from engine.cost import cpu_name
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
+# variables that choose kernels or threads: a figure taken under `make test`'s second dispatch
+# (or OMP_NUM_THREADS) must say so, or it reads as this CPU's own
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
 
 
 def machine(device: str = "cpu") -> dict:
@@ -27,7 +30,7 @@ def machine(device: str = "cpu") -> dict:
             "dispatch": torch.backends.cpu.get_cpu_capability(),
             "onednn_bf16": bool(torch.backends.mkldnn.is_available()
                                 and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-            "device": device}
+            "device": device, "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}}
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info
@@ -36,5 +39,6 @@ def machine(device: str = "cpu") -> dict:
 def describe(m: dict) -> str:
     """One line for a table's header."""
     gpu = f", {m['gpu']}" if "gpu" in m else ""
+    env = "".join(f", {k}={v}" for k, v in m.get("env", {}).items())
     return (f"{m['cpu']} ({', '.join(m['isa']) or 'no AVX2'}; dispatch {m['dispatch']}), "
-            f"{m['threads']} threads of {m['cores']} cores, torch {m['torch']}, {m['device']}{gpu}")
+            f"{m['threads']} threads of {m['cores']} cores, torch {m['torch']}, {m['device']}{gpu}{env}")

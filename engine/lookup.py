@@ -76,5 +76,6 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         cache.truncate(n + len(out) - 1)                  # keep the accepted guesses; y[-1] is fed next
         text += out
         info = {"kind": "lookup", "position": n, "ngram": m, "source": start, "guess": guess, "found": len(full),
-                "first": n == len(prompt), "accepted": len(out) - 1, "next": out[-1]} if trace else None
+                "room": room, "policy": policy is not None, "first": n == len(prompt), "accepted": len(out) - 1,
+                "next": out[-1]} if trace else None
         yield Step(out, drafted=len(guess), accepted=len(out) - 1, trace=info)

@@ -14,6 +14,7 @@ template's own bugs included, is one ValueError line. A reader learning decoding
 from __future__ import annotations
 
 import contextlib
+import gc
 import json
 import os
 import select
@@ -49,34 +50,70 @@ def in_child(source: str, max_chars: int, context: dict) -> dict:
     # torch's, and one stuck on any lock ends at the deadline like a template that loops
     try:
         r, w = os.pipe()
+    except OSError as e:   # out of descriptors: as much a refusal as any bound
+        raise ValueError(f"chat template: cannot start its renderer ({e.strerror or e})") from None
+    try:
         pid = os.fork()
-    except OSError as e:   # out of processes or memory: as much a refusal as any bound
+    except OSError as e:   # out of processes or memory
+        os.close(r), os.close(w)
         raise ValueError(f"chat template: cannot start its renderer ({e.strerror or e})") from None
     if pid == 0:
-        # subtle: the child must never return into the caller's code, nor flush the parent's
-        # stdio buffers or run its atexit hooks (text printed twice): it leaves by os._exit
-        code = 1
-        try:
-            os.close(r)
-            cap_memory(MEMORY_BYTES)
-            answer = json.dumps(rendered(source, max_chars, context), ensure_ascii=False).encode()
-            with os.fdopen(w, "wb") as f:
-                f.write(answer)
-            code = 0
-        finally:
-            os._exit(code)
+        child(w, source, max_chars, context)   # never returns
     os.close(w)
     try:
         answer = read_until(r, time.monotonic() + RENDER_SECONDS)
     except BaseException:   # the deadline, or Ctrl-C: the child goes, whatever it is doing
-        os.kill(pid, signal.SIGKILL)
+        kill(pid)
         raise
     finally:                # and is reaped, on every way out
         os.close(r)
         status = reap(pid)
-    if status or not answer:   # it ended without an answer: OOM-killed, a crash in C, an error writing
+    if status or not answer:   # it ended without an answer: OOM-killed, a crash in C
         return {"error": f"chat template: its renderer died ({describe(status)})"}
     return json.loads(answer)
+
+
+def child(w: int, source: str, max_chars: int, context: dict) -> None:
+    """The forked child's whole life: render, write the answer to `w`, exit."""
+    # subtle: it must never return into the caller's code, nor flush the parent's stdio buffers
+    # or run its atexit hooks (text printed twice): it leaves by os._exit, whatever happens
+    code = 1
+    try:
+        # every other descriptor closed: a render forked meanwhile by another thread would
+        # otherwise hold this one's pipe open, and its reader would wait for the deadline
+        os.closerange(3, w)
+        os.closerange(w + 1, os.sysconf("SC_OPEN_MAX"))
+        gc.disable()   # a collection here would run finalizers of the parent's garbage twice
+        for sig in (signal.SIGINT, signal.SIGTERM):   # the parent's handlers are the parent's
+            signal.signal(sig, signal.SIG_DFL)
+        cap_memory(MEMORY_BYTES)
+        try:
+            answer = rendered(source, max_chars, context)
+        except BaseException as e:   # what rendered() does not expect (a MemoryError joining)
+            answer = {"error": f"chat template failed: {type(e).__name__}: {one_line(e)}"}
+        with os.fdopen(w, "wb") as f:
+            f.write(json.dumps(answer).encode())   # ASCII JSON: nothing can fail to encode
+        code = 0
+    finally:
+        os._exit(code)
+
+
+def kill(pid: int) -> None:
+    with contextlib.suppress(ProcessLookupError):   # reaped already where SIGCHLD is ignored
+        os.kill(pid, signal.SIGKILL)
+
+
+def reap(pid: int) -> int:
+    """The child's wait status; 0 where SIGCHLD is ignored (the kernel reaped it already)."""
+    try:
+        return os.waitpid(pid, 0)[1]
+    except ChildProcessError:
+        return 0
+    except KeyboardInterrupt:   # Ctrl-C while it exits: it goes, is reaped, then Ctrl-C goes on
+        kill(pid)
+        with contextlib.suppress(ChildProcessError):
+            os.waitpid(pid, 0)
+        raise
 
 
 def read_until(fd: int, deadline: float) -> bytes:
@@ -101,9 +138,9 @@ def cap_memory(extra: int) -> None:
         import resource
         with open("/proc/self/statm") as f:
             have = int(f.read().split()[0]) * os.sysconf("SC_PAGE_SIZE")
-        hard = resource.getrlimit(resource.RLIMIT_AS)[1]
-        soft = have + extra if hard == resource.RLIM_INFINITY else min(have + extra, hard)
-        resource.setrlimit(resource.RLIMIT_AS, (soft, hard))
+        soft, hard = resource.getrlimit(resource.RLIMIT_AS)   # a user's own limit stays in force
+        cap = min([have + extra] + [x for x in (soft, hard) if x != resource.RLIM_INFINITY])
+        resource.setrlimit(resource.RLIMIT_AS, (cap, hard))
 
 
 def rendered(source: str, max_chars: int, context: dict) -> dict:
@@ -128,20 +165,17 @@ def rendered(source: str, max_chars: int, context: dict) -> dict:
         return {"error": f"chat template: ran out of memory (more than {MEMORY_BYTES >> 20} MiB)"}
     except Exception as e:  # the template's own bug (1/0, a method on None): untrusted code
         return {"error": f"chat template failed: {type(e).__name__}: {one_line(e)}"}
-    return {"text": "".join(out)}
+    text = "".join(out)
+    try:   # a lone surrogate ('\ud800' in the template) is no text a tokenizer can take
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        return {"error": f"chat template: its output is not UTF-8 text (character {e.start}: {text[e.start]!r})"}
+    return {"text": text}
 
 
 def one_line(e: BaseException) -> str:
     text = " ".join(str(e).split())
     return text if len(text) <= 300 else text[:300] + "..."
-
-
-def reap(pid: int) -> int:
-    """The child's wait status; 0 where SIGCHLD is ignored (the kernel reaped it already)."""
-    try:
-        return os.waitpid(pid, 0)[1]
-    except ChildProcessError:
-        return 0
 
 
 def describe(status: int) -> str:

@@ -108,7 +108,8 @@ class Tracer:
     def lookup(self, head, t):
         if not t["guess"]:
             why = ("the prompt's step (plain's)" if t.get("first") else "no n-gram match: plain step"
-                   if not t.get("found") else f"a match @{t['source']}, none sent (the policy's price): plain step")
+                   if not t.get("found") else f"a match @{t['source']}, none sent ("
+                   + ("no room left in the budget" if not t.get("room") else "the policy's price") + "): plain step")
             return [f"{head}  {why}  {self.show([t['next']])}"]
         return [f"{head}  the last {t['ngram']} token(s) also stand @{t['source']}; the {len(t['guess'])} "
                 f"after them: {self.show(t['guess'])}",

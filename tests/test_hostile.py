@@ -350,14 +350,103 @@ def test_no_child_outlives_a_render_that_ends_early(monkeypatch, stop):
         os.kill(pids[0], 0)
 
 
-def test_a_render_that_cannot_fork_is_one_line(monkeypatch):
-    # out of processes (EAGAIN): a ValueError the CLI prints as one line, not an OSError
+def test_a_render_that_cannot_fork_is_one_line_and_keeps_no_descriptor(monkeypatch):
+    # out of processes (EAGAIN): a ValueError the CLI prints as one line, not an OSError, and
+    # the pipe made for the child is closed (a server retrying would run out of descriptors)
     def no_fork():
         raise OSError(errno.EAGAIN, "Resource temporarily unavailable")
     monkeypatch.setattr(os, "fork", no_fork)
-    with pytest.raises(ValueError, match="cannot start its renderer") as e:
-        template.render("{{ 'hi' }}", 100)
+    before = len(os.listdir("/proc/self/fd"))
+    for _ in range(5):
+        with pytest.raises(ValueError, match="cannot start its renderer") as e:
+            template.render("{{ 'hi' }}", 100)
+    assert "\n" not in str(e.value) and len(os.listdir("/proc/self/fd")) == before
+
+
+def test_a_template_whose_output_is_not_utf8_text_is_one_line():
+    # a lone surrogate is no text a tokenizer can take; before, the child died on it
+    with pytest.raises(ValueError, match="not UTF-8 text") as e:
+        template.render("{{ 'ok ' ~ '\\ud800' }}", 100)
     assert "\n" not in str(e.value)
+
+
+def test_a_render_beside_a_looping_one_is_not_held_to_its_deadline(monkeypatch):
+    # the looping render forks while the quick one's pipe is open, so its child inherits the
+    # quick pipe's write end; a child that kept it (the broken variant: no closing of other
+    # descriptors) would hold the quick render until the looping child is killed
+    import threading
+    waiting, looping_forked, real_fork = threading.Event(), threading.Event(), os.fork
+
+    def fork():
+        if threading.current_thread().name == "quick":
+            waiting.set()
+            looping_forked.wait(5)
+            return real_fork()
+        pid = real_fork()
+        if pid:
+            looping_forked.set()
+        return pid
+    monkeypatch.setattr(os, "fork", fork)
+    monkeypatch.setattr(template, "RENDER_SECONDS", 1.5)
+    took = []
+
+    def quick():
+        waiting.wait(5)
+        t0 = time.monotonic()
+        took.append((template.render("{{ 'hi' }}", 100), time.monotonic() - t0))
+    t = threading.Thread(target=quick, name="quick")
+    t.start()
+    waiting.wait(5)
+    with pytest.raises(ValueError, match="took longer"):
+        template.render("{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}", 100)
+    t.join(10)
+    assert took and took[0][0] == "hi" and took[0][1] < 1.0, took
+
+
+def test_the_parents_signal_handlers_do_not_run_in_the_child(tmp_path, monkeypatch):
+    # a handler that saves state would save it twice; the child dies of SIGINT as a plain
+    # process does (broken variant, the handler inherited: it writes, and the child loops on)
+    pids, fork, marker = [], os.fork, tmp_path / "handler-ran"
+    monkeypatch.setattr(os, "fork", lambda: pids.append(fork()) or pids[-1])
+    monkeypatch.setattr(template, "RENDER_SECONDS", 1.5)
+    old = signal.signal(signal.SIGINT, lambda *_: marker.write_text(str(os.getpid())))
+    try:
+        import threading
+        threading.Timer(0.3, lambda: os.kill(pids[0], signal.SIGINT)).start()
+        with pytest.raises(ValueError, match="died") as e:
+            template.render("{% for i in range(10**5) %}{% for j in range(10**5) %}{% endfor %}{% endfor %}", 100)
+    finally:
+        signal.signal(signal.SIGINT, old)
+    assert not marker.exists() and "signal 2" in str(e.value)
+
+
+def test_ctrl_c_where_sigchld_is_ignored_stays_ctrl_c(monkeypatch):
+    # the kernel reaps the finished child at once, so killing it finds no process; the
+    # interrupt must still reach the caller as KeyboardInterrupt, not ProcessLookupError
+    def interrupted(fd, deadline):
+        time.sleep(0.3)        # the child has answered and exited by now
+        raise KeyboardInterrupt
+    monkeypatch.setattr(template, "read_until", interrupted)
+    old = signal.signal(signal.SIGCHLD, signal.SIG_IGN)
+    try:
+        with pytest.raises(KeyboardInterrupt):
+            template.render("{{ 'hi' }}", 100)
+    finally:
+        signal.signal(signal.SIGCHLD, old)
+
+
+@pytest.mark.skipif(not Path("/proc/self/statm").exists(), reason="the memory cap needs Linux's /proc")
+def test_the_childs_cap_keeps_a_users_lower_memory_limit():
+    # `ulimit -v` below the child's own cap stays in force in the child (broken variant: the cap
+    # raised the soft limit to usage + 512 MiB, and the 100 MB value was built)
+    code = ("import resource, sys\n"
+            "from engine.template import render\n"
+            "have = int(open('/proc/self/statm').read().split()[0]) * resource.getpagesize()\n"
+            "resource.setrlimit(resource.RLIMIT_AS, (have + (64 << 20), resource.RLIM_INFINITY))\n"
+            "try:\n    render(\"{{ 'x' * 100000000 }}\", 2**21)\n"
+            "except ValueError as e:\n    print(e)\n")
+    out = subprocess.run([sys.executable, "-c", code], cwd=ROOT, capture_output=True, text=True, timeout=60)
+    assert "ran out of memory" in out.stdout, (out.stdout, out.stderr)
 
 
 def test_a_render_works_where_sigchld_is_ignored():

@@ -65,6 +65,9 @@ def lies(steps, rng, sampler) -> list[str]:
         if t["kind"] == "lookup" and (t["first"] != (n == 0) or bool(t["found"]) != bool(
                 lookup.find(text, 3, 8)[0] if n else [])):   # the prompt's step; a match, sent or not
             wrong.append(f"step {n}: first={t['first']}, found={t['found']}")
+        if t["kind"] == "lookup" and n and (t["room"] != min(8, BUDGET - (len(text) - len(PROMPT)) - 1) or (
+                len(t["guess"]) != min(t["found"], t["room"]) if not t["policy"] else len(t["guess"]) > t["room"])):
+            wrong.append(f"step {n}: room {t['room']}, sent {len(t['guess'])} of {t['found']}")   # only a policy cuts
         if t["kind"] == "contrastive" and sampler.greedy and t["best"][:len(step.tokens)] != step.tokens:
             wrong.append(f"step {n}: greedy picks {step.tokens}, trace says argmax {t['best']}")
         text += step.tokens
@@ -117,6 +120,11 @@ def test_printed_trace_shows_every_step_and_its_emitted_tokens(capsys):
         assert printed.count("#0 @8 ") == 1 and out
     lines = Tracer(letters).lines(0, traced_steps("lookup", Sampler(), n_steps=1)[0][0].trace)
     assert "the prompt's step (plain's)" in lines[0]
+    # the last token of the budget: a match (every token is in the prompt), and no room to send it
+    steps = lookup.decode(TARGET, [0, 1, 2, 3, 4, 5, 0, 1], sampler=Sampler(), rng=Random(0), max_new_tokens=2, trace=True)
+    next(steps)
+    t = next(steps).trace
+    assert t["found"] and t["room"] == 0 and "no room left in the budget" in Tracer(letters).lines(1, t)[0]
     steps, _ = traced_steps("lookahead W=3 N=3 G=3", Sampler(), n_steps=6)
     text = "\n".join(line for n, s in enumerate(steps) for line in Tracer(letters).lines(n, s.trace))
     assert "mask, shape changed" in text and "window level 1" in text
@@ -153,10 +161,16 @@ def lie_no_match(t):         # a match the policy priced out shown as no match a
         t["found"] = 0
 
 
+def lie_priced_out(t):       # the budget's end shown as the policy's choice
+    if t["kind"] == "lookup":
+        t["room"] += 1
+
+
 LIARS = {
     "lookahead reports the guess": (lie_whole_guess, "lookahead W=3 N=3 G=3"),
     "lookup reports the copy": (lie_whole_guess, "lookup"),
     "lookup hides its match": (lie_no_match, "lookup"),
+    "lookup blames the policy for the budget": (lie_priced_out, "lookup"),
     "speculative accepts every draft": (lie_all_accepted, "speculative K=3"),
     "speculative shows another u": (lie_fresh_u, "speculative K=3"),
     "contrastive shows the expert's pick": (lie_expert_pick, "contrastive"),

@@ -288,9 +288,10 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
             n = lambda m: m["forwards"] if m["tokens"] is None else len(m["tokens"])
             rows[cat] = {
                 "tok_s": statistics.median(m["tok_s"] for m in mine),
-                # the prompt's forward excluded (llama.cpp: its eval rate), as issue 24 compares them
-                "decode_tok_s": statistics.median(m["decode_tok_s"] for m in mine)
-                if all(m.get("decode_tok_s") for m in mine) else None,
+                # the prompt's forward excluded (llama.cpp: its eval rate), as issue 24 compares them;
+                # over the runs that have one (a one-token answer has no decode to time)
+                "decode_tok_s": statistics.median(rates) if (rates := [m["decode_tok_s"] for m in mine
+                                                                        if m.get("decode_tok_s")]) else None,
                 "speedup": statistics.median(ratios), "speedup_range": [min(ratios), max(ratios)],
                 "tokens_per_forward": sum(map(n, mine)) / sum(m["forwards"] for m in mine),
                 "same_tokens_as_plain": None if mine[0]["tokens"] is None else

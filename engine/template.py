@@ -51,12 +51,12 @@ def in_child(source: str, max_chars: int, context: dict) -> dict:
     try:
         r, w = os.pipe()
     except OSError as e:   # out of descriptors: as much a refusal as any bound
-        raise ValueError(f"chat template: cannot start its renderer ({e.strerror or e})") from None
+        raise ValueError(cannot_start(e)) from None
     try:
         pid = os.fork()
     except OSError as e:   # out of processes or memory
         os.close(r), os.close(w)
-        raise ValueError(f"chat template: cannot start its renderer ({e.strerror or e})") from None
+        raise ValueError(cannot_start(e)) from None
     if pid == 0:
         child(w, source, max_chars, context)   # never returns
     os.close(w)
@@ -96,6 +96,12 @@ def child(w: int, source: str, max_chars: int, context: dict) -> None:
         code = 0
     finally:
         os._exit(code)
+
+
+def cannot_start(e: OSError) -> str:
+    # an unbounded render is no fallback for untrusted code: say how to go without the template
+    return (f"chat template: cannot start its renderer ({e.strerror or e}); the CLI's --raw, or "
+            "token ids from Python, send a prompt without it")
 
 
 def kill(pid: int) -> None:

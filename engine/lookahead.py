@@ -86,23 +86,23 @@ def init_window(prompt: list[int], W: int, N: int) -> list[list[int]]:
     return [[prompt[(l + k) % len(prompt)] for k in range(W)] for l in range(N - 1)]
 
 
-def layout(x: int, window: list[list[int]], guesses: list[tuple[int, ...]]):
+def layout(x: int, levels: list[list[int]], grams: list[tuple[int, ...]]):
     """The step's rows: tokens, parent row (-1 for x), newest-level rows, each guess's trie rows.
 
     Row l*W + k is window level l, column k (row 0 is x). Level 0 is a causal chain from x;
     level l >= 1, column k hangs under level l-1, column k. Guesses sharing a prefix share rows.
     An empty window (W = 0) leaves x and the trie: prompt-lookup decoding, or a plain step.
     """
-    W = len(window[0]) if window else 0
+    W = len(levels[0]) if levels else 0
     tokens, parent = [x], [-1]
-    for l, level in enumerate(window):
+    for l, level in enumerate(levels):
         for k, t in enumerate(level):
             if l or k:                                     # level 0, column 0 is x's own row
                 tokens.append(t)
                 parent.append(k - 1 if l == 0 else (l - 1) * W + k)
     newest = list(range(len(tokens) - W, len(tokens)))
     trie, paths = {}, []                                   # (parent row, token) -> row
-    for gram in guesses:
+    for gram in grams:
         row, path = 0, []
         for t in gram:
             if (row, t) not in trie:
@@ -264,11 +264,11 @@ def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, .
     return (lead + [g for g in pool.guesses(text[-1]) if g != copy])[:G]
 
 
-def advance(pool: Pool, grid: list[list[int]], x: int, new: list[int]) -> list[list[int]]:
+def advance(pool: Pool, levels: list[list[int]], x: int, new: list[int]) -> list[list[int]]:
     """Pool each column's n-gram (chain + its newest prediction); drop the oldest level."""
     for k in range(len(new)):
-        chain = [x if k == 0 else grid[0][k]] + [level[k] for level in grid[1:]] + [new[k]]
+        chain = [x if k == 0 else levels[0][k]] + [level[k] for level in levels[1:]] + [new[k]]
         pool.add(chain[0], tuple(chain[1:]))
     # subtle: level 1 becomes level 0, whose column 0 is the dead slot under the next x. The
     # window is placed relative to x, so after e > 1 emitted tokens it lags e - 1 columns
-    return grid[1:] + [new]
+    return levels[1:] + [new]

@@ -90,12 +90,12 @@ class Tracer:
                    f"  {'no guess matched; ' if t['grams'] else 'no guesses; '}the target's {then}")
         return out + [f"  emitted {self.show(claimed(t))}"]
 
-    def picture(self, parent: list[int], P: int, window: int) -> list[str]:
+    def picture(self, parent: list[int], P: int, head: int) -> list[str]:
         """The step's tree mask (lookahead.tree_mask), drawn when its shape changes; rows
-        [0, window) are x and the window (level l, column k = row l*W + k), the rest the trie."""
+        [0, head) are x and the window (level l, column k = row l*W + k), the rest the trie."""
         n = len(parent)
-        rows = f"x and the window 0..{window - 1}" if window > 1 else "x"
-        trie = f", the guesses' trie {window}..{n - 1}" if n > window else ""
+        rows = f"x and the window 0..{head - 1}" if head > 1 else "x"
+        trie = f", the guesses' trie {head}..{n - 1}" if n > head else ""
         out = [f"  mask, shape changed: {n} rows ({rows}{trie}); row i sees row j = x"]
         for i in range(n):                       # row i sees itself and its ancestors
             row, j = {i}, parent[i]

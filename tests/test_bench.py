@@ -76,6 +76,24 @@ def test_an_outside_reference_is_one_more_row_checked_against_plain():
         hf_reference("/nonexistent/python", Path("."), 6, required=True)
 
 
+def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
+    # why: the compiled exact path (--compile) is a path of its own, whose plain may print other
+    # tokens than eager plain; its lookahead and lookup must be compared with its plain, or
+    # the "same tokens" column would blame them for the compiler's rounding. Caught broken
+    # variant: compiled_configs leaving BASELINE alone (0% against eager plain here)
+    import tools.bench as bench
+    other = tiny_llama(1, vocab=8)                     # "compiled": another model, other tokens
+    monkeypatch.setattr(bench, "build", lambda *a, **k: other)
+    monkeypatch.setattr(bench, "compile_model", lambda model, notify: model)
+    monkeypatch.setattr(bench, "BASELINE", dict(bench.BASELINE))
+    configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
+    assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile"}
+    table = bench.compare(tiny_llama(0, vocab=8), {"a": [[1, 2, 3, 1, 2, 3]]}, configs, repeats=1, max_new_tokens=10)
+    assert table["plain --compile"]["a"]["same_tokens_as_plain"] == 0.0     # another path
+    assert table["lookahead auto --compile"]["a"]["same_tokens_as_plain"] == 1.0
+    assert table["lookup --compile"]["a"]["same_tokens_as_plain"] == 1.0
+
+
 def test_a_text_only_reference_is_a_row_whose_tokens_are_not_compared():
     # why: llama.cpp prints text, not our ids: its row has a speed but no "same tokens" claim
     from tools.bench import CONFIGS, compare, markdown

@@ -233,6 +233,16 @@ DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
 BASELINE = {"lookahead auto --int4": "plain --int4"}
 
 
+def compiled_configs(checkpoint: Path, suffix: str, eos_ids, max_new_tokens: int) -> dict:
+    """`--compile`: plain, lookahead auto and lookup on the exact 4-bit path compiled
+    (tools/compiled.py), each held to the compiled plain's tokens (BASELINE)."""
+    model = compile_model(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress)
+    names = {f"{name}{suffix} --compile": name for name in ("plain", "lookahead auto", "lookup")}
+    BASELINE.update({mine: f"plain{suffix} --compile" for mine, name in names.items() if name != "plain"})
+    return {mine: (lambda p, c=CONFIGS[name]: decode_once(model, p, c, max_new_tokens, eos_ids))
+            for mine, name in names.items()}
+
+
 def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: int, eos_ids) -> dict:
     """One greedy generation: tokens, timings, and per-step draft acceptance. Adaptive decoders
     price their choices with this machine's measured costs, as the CLI's do."""
@@ -530,7 +540,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true",
-                   help="add plain on the 4-bit path compiled (tools/compiled.py; not an exact path)")
+                   help="add plain, lookahead auto and lookup on the exact 4-bit path compiled "
+                        "(tools/compiled.py; minutes of warm-up), held to the compiled plain's tokens")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
@@ -652,13 +663,14 @@ def run(args: argparse.Namespace) -> dict:
             q = build(args.checkpoint, dtype=torch.bfloat16, int4=True, batch_invariant=False)
             configs["plain --int4 --no-batch-invariant"] = lambda p: decode_once(q, p, CONFIGS["plain"],
                                                                                  args.max_new_tokens, eos)
-            if args.compile:   # the (inexact) 4-bit path through tools/compiled.py, opt-in
-                qi = compile_model(prepack(quantize_int4(load_model(args.checkpoint))), notify=progress)
-                configs["plain --int4 --compile"] = lambda p: decode_once(qi, p, CONFIGS["plain"], args.max_new_tokens, eos)
+            if args.compile:
+                configs |= compiled_configs(args.checkpoint, " --int4", eos, args.max_new_tokens)
             # the 4-bit model as speculative's draft (--draft int4; it needs no exact kernels), the fp32
             # target deciding: fp32's tokens
             configs["speculative int4 adaptive"] = ("speculative", q, dict(adaptive=True))   # as run.py builds it
             result["int4_draft_mb"] = round(resident_bytes(q) / 2**20, 1)
+        elif args.compile and args.int4:
+            configs |= compiled_configs(args.checkpoint, "", eos, args.max_new_tokens)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
         if args.llama_cpp:

@@ -80,18 +80,27 @@ def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
     # why: the compiled exact path (--compile) is a path of its own, whose plain may print other
     # tokens than eager plain; its lookahead and lookup must be compared with its plain, or
     # the "same tokens" column would blame them for the compiler's rounding. Caught broken
-    # variant: compiled_configs leaving BASELINE alone (0% against eager plain here)
+    # variant: a baseline() that answers plain for every row (0% against eager plain here)
     import tools.bench as bench
     other = tiny_llama(1, vocab=8)                     # "compiled": another model, other tokens
     monkeypatch.setattr(bench, "build", lambda *a, **k: other)
     monkeypatch.setattr(bench, "compile_model", lambda model, notify: model)
-    monkeypatch.setattr(bench, "BASELINE", dict(bench.BASELINE))
     configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
     assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile"}
     table = bench.compare(tiny_llama(0, vocab=8), {"a": [[1, 2, 3, 1, 2, 3]]}, configs, repeats=1, max_new_tokens=10)
     assert table["plain --compile"]["a"]["same_tokens_as_plain"] == 0.0     # another path
     assert table["lookahead auto --compile"]["a"]["same_tokens_as_plain"] == 1.0
     assert table["lookup --compile"]["a"]["same_tokens_as_plain"] == 1.0
+
+
+def test_a_row_is_compared_with_plain_on_its_own_path():
+    # why: a speed-up and a "same tokens" cell mean something only against plain on the same
+    # model and kernels; a plain row of another path is itself a speed-up over plain
+    from tools.bench import baseline
+    configs = ["plain", "plain --int4", "lookahead auto --int4", "plain --int4 --compile",
+               "lookup --int4 --compile", "lookup --compile", "speculative int4 adaptive"]
+    assert [baseline(n, configs) for n in configs] == [
+        "plain", "plain", "plain --int4", "plain", "plain --int4 --compile", "plain", "plain"]
 
 
 def test_a_text_only_reference_is_a_row_whose_tokens_are_not_compared():

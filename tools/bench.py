@@ -229,16 +229,21 @@ CONFIGS = {
 # on --int4 --no-batch-invariant, and speculative with the int4 draft (`speculative int4
 # adaptive`, what --draft auto takes where it pays)
 DEFAULT_CONFIGS = ("plain", "lookahead auto", "lookup", "plain again")
-# a config is compared with plain, unless it runs on another model: then with plain on that one
-BASELINE = {"lookahead auto --int4": "plain --int4"}
+
+
+def baseline(name: str, configs) -> str:
+    """The config a row is compared with: plain on the same path, named by the row's flags
+    ("lookup --int4 --compile" -> "plain --int4 --compile") where the run has it, else plain.
+    A plain row of another path ("plain --int4") is compared with plain: that is its speed-up."""
+    flags = name[name.find(" --"):] if " --" in name else ""
+    return f"plain{flags}" if flags and not name.startswith("plain") and f"plain{flags}" in configs else "plain"
 
 
 def compiled_configs(checkpoint: Path, suffix: str, eos_ids, max_new_tokens: int) -> dict:
     """`--compile`: plain, lookahead auto and lookup on the exact 4-bit path compiled
-    (tools/compiled.py), each held to the compiled plain's tokens (BASELINE)."""
+    (tools/compiled.py), each held to the compiled plain's tokens (`baseline`)."""
     model = compile_model(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress)
     names = {f"{name}{suffix} --compile": name for name in ("plain", "lookahead auto", "lookup")}
-    BASELINE.update({mine: f"plain{suffix} --compile" for mine, name in names.items() if name != "plain"})
     return {mine: (lambda p, c=CONFIGS[name]: decode_once(model, p, c, max_new_tokens, eos_ids))
             for mine, name in names.items()}
 
@@ -272,8 +277,8 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
             max_new_tokens: int = 64, eos_ids=()) -> dict:
     """Run every config on every prompt, interleaved, `repeats` times; summarise against plain.
 
-    Speedup is per prompt and repeat: tokens/s of the config over its baseline's (plain, or
-    BASELINE) in the same round, then the median over a category's prompts and rounds, with the
+    Speedup is per prompt and repeat: tokens/s of the config over its baseline's (`baseline`:
+    plain on its path) in the same round, then the median over a category's prompts and rounds, with the
     lowest and highest beside it; category "all" pools every prompt.
     """
     runs = {}                                                   # (config, category, i, r) -> run
@@ -289,10 +294,10 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
     cats = {c: [(c, i, r) for i in range(len(p)) for r in range(repeats)] for c, p in prompts.items()}
     cats["all"] = [k for keys in cats.values() for k in keys]
     for name in configs:
-        rows, baseline = {}, BASELINE.get(name, "plain")
+        rows, base_name = {}, baseline(name, configs)
         for cat, keys in cats.items():
             mine = [runs[(name,) + k] for k in keys]
-            base = [runs[(baseline,) + k] for k in keys]
+            base = [runs[(base_name,) + k] for k in keys]
             ratios = [m["tok_s"] / b["tok_s"] for m, b in zip(mine, base)]
             # llama.cpp answers in text: its tokens are None, counted by its forwards, not compared
             n = lambda m: m["forwards"] if m["tokens"] is None else len(m["tokens"])

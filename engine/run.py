@@ -36,6 +36,7 @@ from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, generate
 from engine.invariant import row_attention, rows_round_alike
+from engine.kvcache import ATEN_CAPABILITY
 from engine.packed import CPU_ONLY
 from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
@@ -147,6 +148,8 @@ def models(args, ckpt) -> tuple:
         if args.int4 or args.device != "cpu":
             why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself"
             why += " (drop --int4)" if args.int4 else ""
+        elif spec == "auto" and ATEN_CAPABILITY == "DEFAULT":
+            why = ""   # no SIMD: torch's 4-bit kernel is a scalar loop, dearer than the target's fp32
         else:
             try:
                 # the fp32 target decides every token: its draft needs no exact kernels unless asked

@@ -169,6 +169,20 @@ def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, ca
     assert out["draft"] == want and (out["draft_mb"] > 0) == (want == "int4")
 
 
+@real
+def test_draft_auto_builds_no_4_bit_draft_where_the_4_bit_kernel_is_scalar(monkeypatch, capsys):
+    # Why: under a SIMD-less dispatch (ATEN_CPU_CAPABILITY=default) torch's 4-bit matmul is a
+    # scalar loop, far dearer than the fp32 target: building that draft and timing its price
+    # took minutes, for a draft auto never takes. There auto self-drafts at once.
+    import engine.run
+    built, build = [], engine.run.build   # the module's kept builds (built_once)
+    monkeypatch.setattr(engine.run, "ATEN_CAPABILITY", "DEFAULT")
+    monkeypatch.setattr(engine.run, "build", lambda ckpt, **how: built.append(how["int4"]) or build(ckpt, **how))
+    out = run_json(["--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative", "--draft-cost", "0.05"],
+                   capsys)
+    assert out["draft"] == "layers:20" and built == [False]   # at 0.05 a 4-bit draft would have won
+
+
 INT4_EXACT = ["--int4", "--dtype", "bfloat16"]   # exact by default: --batch-invariant is on for bf16 and int4
 
 

@@ -55,6 +55,8 @@ class Stats:
     hit rate          hits / verify steps: steps that kept an accepted draft / steps that
                       verified at least one (adaptive K = 0 steps verify none)
     tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
+    prefill, decode   seconds until the first step (the prompt's forward); tokens per second
+                      after it (the first step's tokens excluded)
     """
     n_tokens: int = 0
     n_forwards: int = 0
@@ -122,11 +124,7 @@ def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[in
         stats.n_forwards += step.forwards
         stats.draft_forwards += step.draft_forwards
         stats.drafted += step.drafted
-        take, ended = step.tokens[:max_new_tokens - len(out)], False
-        for j, x in enumerate(take):
-            if x in eos or (stop is not None and stop(out + take[:j + 1])):
-                take, ended = take[:j + 1], True
-                break
+        take, ended = cut(step.tokens, out, max_new_tokens, eos, stop)
         # counted after the cut, like the step lengths: a step cut to n tokens kept n - 1 drafts
         # beyond its one token, whatever it had accepted (so tokens = steps + accepted)
         kept = min(step.accepted, len(take) - 1)
@@ -142,3 +140,13 @@ def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[in
         if ended or len(out) >= max_new_tokens:
             return
         t0 = time.perf_counter()
+
+
+def cut(tokens: list[int], out: list[int], max_new_tokens: int, eos: set[int],
+        stop: Callable[[list[int]], bool] | None) -> tuple[list[int], bool]:
+    """The tokens of a step that generate() keeps after `out`, and whether the run ends there."""
+    take = tokens[:max_new_tokens - len(out)]
+    for j, x in enumerate(take):
+        if x in eos or (stop is not None and stop(out + take[:j + 1])):
+            return take[:j + 1], True
+    return take, len(out) + len(take) >= max_new_tokens

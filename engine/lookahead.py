@@ -20,7 +20,7 @@ Choices where LADE and llama.cpp differ (small samples below; the benchmark has 
 - A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1).
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
 - The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
-  first guess is prompt lookup's (engine/lookup.py), matched on the last N-1 tokens, not x alone.
+  first guess is prompt lookup's (engine/lookup.py): its longest match of up to N-1 tokens.
 - A policy (engine/policy.py) may send a copy of the text instead (up to 8 tokens, so up to 9
   per forward), or fewer columns: on 14 bench prompts priced by an AVX2 EPYC's cost table,
   median tokens per unit of cost 1.00 -> 1.11 (docs/speed.md). The columns it does not send
@@ -203,8 +203,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     if W == 0 and G == 0:   # no window and no guesses: plain decoding under another name
         raise ValueError("window 0 with guesses 0 guesses nothing: that is plain decoding; give "
                          "guesses >= 1 (lookup from the n-gram pool) or window >= 1")
-    if 1 + (N - 1) * (W + G) > model.config.max_seq_len:   # before allocating a cache for them
-        raise ValueError(f"a step of 1 + (N-1)(W+G) = {1 + (N - 1) * (W + G)} rows exceeds the "
+    if step_rows(W, N, G) > model.config.max_seq_len:   # before allocating a cache for them
+        raise ValueError(f"a step of up to {step_rows(W, N, G)} rows (window and trie) exceeds the "
                          f"model's context ({model.config.max_seq_len})")
     if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
         raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
@@ -255,9 +255,15 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         yield Step(out, drafted=len(tokens) - max((N - 1) * w, 1), accepted=m, trace=info, arm=arm)
 
 
+def step_rows(W: int, N: int, G: int) -> int:
+    """The most rows a step sends: the window's (N-1) W, x its first cell (x alone if W = 0),
+    and a trie of at most G (N-1)-grams."""
+    return (N - 1) * (W + G) + (W == 0)
+
+
 def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, ...]]:
     """Up to G (N-1)-grams to follow x = text[-1]: first what followed the latest earlier match
-    of text's last N-1 tokens (prompt lookup: a longer match predicts better than x alone),
+    of text's longest suffix of up to N-1 tokens (prompt lookup, whose match may be x alone),
     then the pool's n-grams for x, most recent first."""
     copy = tuple(find(text, N - 1, N - 1)[0])
     lead = [copy] if len(copy) == N - 1 else []

@@ -32,9 +32,10 @@ import torch
 from engine.api import build, check_device, prices as api_prices
 from engine.config import load_config
 from engine.cost import load_table
+from engine import lookahead
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
-from engine.generate import Stats, generate
+from engine.generate import Stats, cut, generate
 from engine.invariant import row_attention, rows_round_alike
 from engine.kvcache import ATEN_CAPABILITY
 from engine.packed import CPU_ONLY
@@ -56,9 +57,13 @@ class Parser(argparse.ArgumentParser):
 # the fields as engine.generate.Stats defines them (one definition; none under python -OO)
 STATS_HELP = "the stats line (stderr; the same fields in --json):\n" + textwrap.indent(
     textwrap.dedent((Stats.__doc__ or "").partition("\n\n")[2]).strip("\n"), "  ") + """
-  --json keys: n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted, accepted,
-  acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), and draft/draft_mb
-  (speculative) or amateur/amateur_mb (contrastive)
+then whose tokens the run may leave: "near-exact path" (fp32: at a near-tie), "inexact path" (k-row
+forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"
+  --json keys: text, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
+  accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
+  tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
+  and law_of (whose tokens, or only whose law, it must print), load_peak_rss_mb,
+  decode_peak_rss_mb, notes, and draft/draft_mb (speculative) or amateur/amateur_mb (contrastive)
 --trace prints each step on stderr: plain its token; lookahead the window (levels x columns,
 with positions), the mask when its shape changes, the arm, the guesses and what was accepted
 from which; speculative each draft's p(x), q(x), u and verdict; contrastive the expert's
@@ -114,13 +119,15 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("speculative")
     g.add_argument("--draft", default="auto",
                    help="int4: the target's weights in 4 bits; layers:L: the target's first L layers; a checkpoint "
-                        f"dir; auto (default): int4 where the cost model says it pays, else layers:{SELF_DRAFT_LAYERS}")
+                        f"dir; auto (default): int4 where the cost model says it pays (--no-adaptive: where it can be built), "
+                        f"else layers:{SELF_DRAFT_LAYERS}")
     g.add_argument("--draft-cost", type=float,
                    help="one draft token's cost in one-row target forwards, for --adaptive (default: "
                         "measured once on this machine beside the cost table)")
     g.add_argument("--num-draft", type=int,
                    help="K draft tokens per step (--no-adaptive: default 4; adaptive: the K it starts "
-                        "from, by default the best K at the draft's prior acceptance and price)")
+                        "from, by default the best K at the draft's prior acceptance and price; "
+                        "contrastive --speculative: a fixed K, default 4)")
     g.add_argument("--verify", default="rejection", choices=["rejection", "coupled"],
                    help="rejection sampling, or coupled noise (seed-identical to plain)")
     g = p.add_argument_group("contrastive")
@@ -262,7 +269,7 @@ def bound_knobs(args, context: int) -> None:
     if args.decoder == "lookahead" and not DECODERS["lookahead"].adapts(knobs(args), args.adaptive):
         W = args.window if args.window is not None else args.guesses if args.guesses is not None else 5
         N, G = args.ngram or 4, args.guesses if args.guesses is not None else W
-        rows = 1 + (N - 1) * (W + max(G, 0))
+        rows = lookahead.step_rows(W, N, max(G, 0))
         if rows > context:
             raise ValueError(f"--window {W} --ngram {N} --guesses {G} make {rows} rows per step, "
                              f"more than the model's context ({context}): make them smaller")
@@ -304,12 +311,13 @@ def run(args) -> dict:
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=args.trace,
                      max_new_tokens=args.max_new_tokens, **given)
-    if args.trace:
-        steps = traced(steps, Tracer(tok.decode))
     # a stop string that the newest token completes lies in the text of the last m tokens
     # (m = its bytes: every token is at least one byte); one more token keeps its lead intact
     tail = max((len(s.encode()) for s in args.stop), default=0) + 1
     stop = (lambda ids: any(s in tok.decode(ids[-tail:]) for s in args.stop)) if args.stop else None
+    if args.trace:
+        ends = lambda tokens, out: cut(tokens, out, args.max_new_tokens, set(tok.eos_ids), stop)
+        steps = traced(steps, Tracer(tok.decode), cut=ends)
     stats, out, stream, t0 = Stats(), [], StreamDecoder(tok), time.perf_counter()
     streamed, shown = "", 0
     for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids, stop=stop,
@@ -333,7 +341,11 @@ def run(args) -> dict:
     # the tokens a decoder of k-row forwards is held to: plain's, or contrastive's own one-row steps
     held_to = "contrastive's" if args.decoder == "contrastive" else "plain's"
     one_row = args.decoder == "plain" or args.decoder == "contrastive" and not args.speculative
-    return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": None if one_row else held_to,
+    # sampled, rejection verification keeps that law, not the seed's tokens (--verify coupled does)
+    law = args.temperature > 0 and (args.speculative if args.decoder == "contrastive"
+                                    else args.decoder == "speculative" and args.verify == "rejection")
+    return {"decoder": args.decoder, "text": text, "exact_path": exact,
+            "held_to": None if one_row or law else held_to, "law_of": held_to if law else None,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
@@ -441,6 +453,7 @@ def stats_line(r: dict) -> str:
     return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
             f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
+            + (f" | rejection sampling: {r['law_of']} law, not {r['law_of']} tokens" if r.get("law_of") else "")
             + ("" if r["exact_path"] or not held else
                f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant on a CPU: exact)"
                if r.get("near_exact") else

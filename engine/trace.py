@@ -4,7 +4,8 @@ Decoders never print. Asked with `trace=True`, each one puts a plain dict in `St
 ("kind" names the decoder; ids and floats only); this module turns it into lines with the
 tokenizer. `claimed(trace)` is what a trace says the step emitted: tests/test_trace.py holds
 every decoder to claimed(step.trace) == step.tokens, so the trace cannot tell a story the
-tokens do not. A block starts "#n @t kind": step n, whose first new token sits at position t.
+tokens do not; a step the run ends inside (an EOS, --stop, the budget) ends with what it kept.
+A block starts "#n @t kind": step n, whose first new token sits at position t.
 
     #12 @47 speculative K=2 rejection
       draft ' Paris'  p=0.912 q=0.850 u=0.118  accept  (u < p/q)
@@ -82,7 +83,7 @@ class Tracer:
         if "minted" in t:
             out.append(f"  window minted  @{P + N - 1}..{P + N + W - 2}: {self.show(t['minted'])}"
                        "  (argmax of each column)")
-        if t["parent"] != self.mask:
+        if t["parent"] != self.mask and not t.get("first"):   # the prompt's step is a causal chain
             self.mask = t["parent"]
             out += self.picture(t["parent"], P, 1 + (N - 1) * W - (W > 0))
         out += [f"  guess {g}: {self.show(gram)}" for g, gram in enumerate(t["grams"])]
@@ -142,7 +143,7 @@ class Tracer:
                 out.append(f"  draft {x}  not verified (an earlier draft was rejected)")
                 continue
             laws = f"models' p={d['p_model']:.3f} q={d['q_model']:.3f}" if greedy else \
-                f"p={d['p']:.3f} q={d['q']:.3f} u={d['u']:.3f}"
+                f"p={d['p']:.3g} q={d['q']:.3g} u={d['u']:.3f}"   # .3g: a verdict on p, q < 1e-3 stays checkable
             why = rule if verdict == "accept" else rule.replace("<", ">=").replace(" is ", " is not ")
             out.append(f"  draft {x}  {laws}  {verdict}  {why}")
         return out
@@ -156,9 +157,17 @@ class Tracer:
         return f"  corrected {self.show([t['next']])} ~ norm((p - q)+)"
 
 
-def traced(steps: Iterable, tracer: Tracer, file=None) -> Iterator:
-    """Pass the steps through, printing each one's trace first (on stderr by default)."""
+def traced(steps: Iterable, tracer: Tracer, file=None, cut: Callable | None = None) -> Iterator:
+    """Pass the steps through, printing each one's trace first (on stderr by default). With
+    `cut(tokens, out)` (generate.cut, bound to the run's budget, EOS and stops), a step the run
+    ends inside says how many of its tokens it kept."""
+    out: list[int] = []
     for n, step in enumerate(steps):
+        take = cut(step.tokens, out)[0] if cut else step.tokens
         if step.trace is not None:
-            print("\n".join(tracer.lines(n, step.trace)), file=file or sys.stderr, flush=True)
+            lines = tracer.lines(n, step.trace)
+            if len(take) < len(step.tokens):
+                lines.append(f"  kept {tracer.show(take)}: the run ends there (EOS, --stop or the budget)")
+            print("\n".join(lines), file=file or sys.stderr, flush=True)
+        out += take
         yield step

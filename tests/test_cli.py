@@ -1,6 +1,7 @@
 """The CLI as a new user meets it: one-line errors, exit 2, and the same text from every
 greedy decoder as from plain on the real checkpoint."""
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -155,6 +156,9 @@ def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
                      capsys) for _ in range(2)]
     assert runs[0]["tokens"] == runs[1]["tokens"] and runs[0]["draft"] == "int4"
     assert runs[0]["draft_forwards"] > 0 and runs[0]["draft_mb"] > 50     # it drafted, and says its size
+    # and it says which: plain's tokens (coupled), or only plain's law (rejection)
+    held = {"coupled": ("plain's", None), "rejection": (None, "plain's")}[verify]
+    assert (runs[0]["held_to"], runs[0]["law_of"]) == held
     if verify == "coupled":
         assert runs[0]["tokens"] == plain["tokens"]
 
@@ -308,8 +312,20 @@ def test_help_defines_every_stats_field_and_the_trace(capsys):
         main(["--help"])
     out = capsys.readouterr().out
     for field in ("tokens", "target forwards", "draft forwards", "tok/forward", "acceptance",
-                  "hit rate", "tokens per step", "--trace", "--lookup-ngram", "--lookup-tokens"):
+                  "hit rate", "tokens per step", "prefill", "decode", "near-exact path", "inexact path",
+                  "rejection sampling", "--trace", "--lookup-ngram", "--lookup-tokens"):
         assert field in out, field
+
+
+@real
+def test_help_names_every_json_key(capsys):
+    # Why: --json is read by programs; a key --help does not name is a key nobody can rely on
+    keys = run_json(["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "speculative",
+                     "--draft", "layers:20"], capsys)
+    with pytest.raises(SystemExit):
+        main(["--help"])
+    out = capsys.readouterr().out
+    assert [k for k in keys if not re.search(rf"\b{k}\b", out)] == []
 
 
 def test_help_works_with_docstrings_stripped():
@@ -364,6 +380,9 @@ def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     # contrastive is held to its own one-row steps: --speculative may leave them, alone it cannot
     assert "differ from contrastive's" in stats_line(r | {"decoder": "contrastive", "held_to": "contrastive's"})
     assert "inexact" not in stats_line(r | {"decoder": "contrastive", "held_to": None})
+    # sampled by rejection, a decoder keeps plain's law, not plain's tokens, on any path
+    law = stats_line(r | {"decoder": "speculative", "held_to": None, "law_of": "plain's"})
+    assert "plain's law, not plain's tokens" in law and "inexact" not in law
 
 
 @real

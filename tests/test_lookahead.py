@@ -233,3 +233,26 @@ def test_the_first_candidate_is_what_followed_the_longest_earlier_match():
     assert got[0] == (9, 1, 2)                                   # after the earlier 5 6 7
     assert got == [(9, 1, 2), (3, 4, 5)]                         # then the pool, no repeats
     assert lookahead.candidates(pool, text, G=1, N=4) == [(9, 1, 2)]
+
+
+@given(W=st.integers(0, 6), N=st.integers(2, 5), G=st.integers(0, 6))
+def test_step_rows_is_the_most_rows_a_step_lays_out(W, N, G):
+    # Why: the refusal of a step wider than the context counts rows with step_rows(); it must be
+    # the layout's own count at its widest (every guess its own trie branch), x a window cell
+    levels = [[100 + l * W + k for k in range(W)] for l in range(N - 1)] if W else []
+    grams = [tuple(200 + g * N + j for j in range(N - 1)) for g in range(G)]
+    assert len(lookahead.layout(1, levels, grams)[0]) == lookahead.step_rows(W, N, G)
+
+
+def test_a_step_as_wide_as_the_context_runs_and_a_wider_one_is_refused():
+    # fixed examples at the boundary (context 2048): W=2048 N=2 lays out 2048 rows; one more is refused
+    model = tiny_llama(0)
+    assert model.config.max_seq_len == 2048
+    for W, G, fits in [(2048, 0, True), (2049, 0, False), (0, 2047, True), (0, 2048, False)]:
+        steps = lookahead.decode(model, [1, 2], sampler=GREEDY, rng=None, max_new_tokens=1, window=W,
+                                 ngram=2, guesses=G)
+        if fits:
+            next(steps)
+        else:
+            with pytest.raises(ValueError, match="exceeds the model's context"):
+                next(steps)

@@ -256,3 +256,27 @@ def test_a_greedy_trace_showing_the_one_hot_law_is_caught(monkeypatch):
     real = speculative.verdicts
     monkeypatch.setattr(speculative, "verdicts", lambda p, q, drafts, out, u, logits=None: real(p, q, drafts, out, u))
     assert greedy_probability_lies("speculative K=3")
+
+
+@pytest.mark.parametrize("name", ["lookahead W=3 N=3 G=3", "lookup", "speculative K=3"])
+def test_a_step_the_run_ends_inside_says_what_it_kept(name, capsys):
+    # Why: a trace prints a step before generate() cuts it at the budget (or an EOS, a stop);
+    # its "emitted" then names tokens the run never printed, unless the trace says what it kept
+    from engine.generate import cut
+    steps = traced_steps(name, Sampler(), n_steps=12)[0]
+    i = next(i for i, s in enumerate(steps) if len(s.tokens) > 1)          # a multi-token step
+    budget = sum(len(s.tokens) for s in steps[:i]) + 1                      # ends after its first token
+    ends = lambda tokens, out: cut(tokens, out, budget, set(), None)
+    out = list(generate(traced(DECODERS[name](Sampler(), Random(0), True), Tracer(letters), cut=ends),
+                        max_new_tokens=budget))
+    blocks = capsys.readouterr().err.split("\n#")
+    assert len(out) == budget and len(blocks) == i + 1
+    assert blocks[-1].splitlines()[-1] == f"  kept {letters([out[-1]])!r}: the run ends there (EOS, --stop or the budget)"
+    assert all("kept" not in b for b in blocks[:-1])                       # whole steps say nothing
+
+
+def test_a_verdict_on_tiny_laws_shows_digits_a_reader_can_check():
+    # Why: at three decimals p = 4.1e-05 and q = 3.9e-05 both print 0.000, and "accept (u < p/q)"
+    # then reads as a lie; the laws are shown to three significant digits
+    d = {"token": 1, "p": 4.1e-05, "q": 3.9e-05, "u": 0.274, "verdict": "accept"}
+    assert "p=4.1e-05 q=3.9e-05 u=0.274  accept" in Tracer(letters).drafts([d], "(u < p/q)")[0]

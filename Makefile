@@ -36,7 +36,8 @@ run: weights
 # test that leans on this CPU's rounding fails here, not on a user's machine (int4 under the
 # second dispatch answers another text).
 # subtle: under a SIMD-less dispatch torch's 4-bit matmul is a scalar loop: on an AVX2-only EPYC
-# the second pass ran past 25 minutes with the 4-bit tests and took 5 without, so there it skips them
+# the second pass ran past 25 minutes with the 4-bit tests and took 5 without (1.3 once --draft
+# auto stopped building a 4-bit draft under that dispatch), so there it skips them
 SECOND := $(shell grep -qw avx512f /proc/cpuinfo 2>/dev/null && echo avx2 AVX2 || echo default SSE41)
 SECOND_SKIP := $(if $(filter default,$(word 1,$(SECOND))), and not int4)
 test: weights

@@ -14,6 +14,7 @@ from engine.llama import Llama, LlamaConfig
 from engine.sampling import Random, Sampler
 
 # tiny float64 models: one thread avoids OpenMP barriers that dwarf the math itself
+USER_THREADS = torch.get_num_threads()   # what a user's command runs with
 torch.set_num_threads(1)
 
 settings.register_profile("dev", max_examples=20, deadline=None)
@@ -62,6 +63,15 @@ def private_cache(tmp_path_factory):
     # the CLI measures this machine's forward costs once into $XDG_CACHE_HOME/engine; tests
     # (and the CLIs they start) measure into a folder of their own, never the user's home
     os.environ["XDG_CACHE_HOME"] = str(tmp_path_factory.mktemp("cache"))
+
+
+@pytest.fixture(scope="module")
+def user_threads():
+    """The real checkpoint's tests run with a user's threads (torch's default), not the tiny
+    models' one: its forwards are matmuls that split over threads, as on the command line."""
+    torch.set_num_threads(USER_THREADS)
+    yield
+    torch.set_num_threads(1)
 
 
 @pytest.fixture

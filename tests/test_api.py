@@ -15,6 +15,8 @@ from engine.weights import DEFAULT_CHECKPOINT, load_model
 from test_weights import hf_tensors, write_gguf
 from tools.convert import convert
 
+pytestmark = pytest.mark.usefixtures("user_threads")   # a user's threads: conftest.py
+
 
 @pytest.fixture(scope="module")
 def ckpt(tmp_path_factory):

@@ -12,6 +12,8 @@ import torch
 from engine.run import before_stop, main, stats_line
 from engine.weights import DEFAULT_CHECKPOINT
 
+pytestmark = pytest.mark.usefixtures("user_threads")   # a user's threads: conftest.py
+
 real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
                           reason="needs the converted checkpoint (make weights)")
 # asserts tokens or text that rest on this CPU's kernels: `make test` runs these again under a

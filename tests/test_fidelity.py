@@ -15,6 +15,8 @@ from engine.packed import prepack, quantize_int4
 from engine.weights import DEFAULT_CHECKPOINT, load_model
 from tools import fidelity
 
+pytestmark = pytest.mark.usefixtures("user_threads")   # a user's threads: conftest.py
+
 real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
                           reason="needs the converted checkpoint (make weights)")
 AGREEMENT, KL, PERPLEXITY = 0.95, 0.01, 1.05

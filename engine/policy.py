@@ -4,7 +4,7 @@ Every decoder runs its paper's loop with fixed knobs when it is given no policy.
 policy (`policy=`, the CLI's default), it asks before each step:
 
     Lookahead.choose(text, room) -> Choice(window, guesses, copy)   lookahead's arm
-    CopyLength.length(text, proposal, n, beat, room) -> L           how much of a copy to send
+    CopyLength.length(text, proposal, n, beat, room) -> K           how much of a copy to send
     DraftLength.k, .update(k, accepted)                             speculative decoding's K
     pick_draft(target, drafts, prices)                              --draft auto's choice
 
@@ -173,8 +173,8 @@ class CopyLength:
     and no step is spent exploring. By match length n and guess position j:
 
         p[n, j] = (agreed + 1/2) / (checked + 1)      P(token j agrees | tokens < j agreed)
-        E(L)    = 1 + sum_{j<L} prod_{i<=j} p[n, i]     tokens a forward with L guessed emits
-        L*      = argmax_L E(L) / cost(1 + L), or 0 when that is <= beat (plain's 1)
+        E(K)    = 1 + sum_{j<K} prod_{i<=j} p[n, i]     tokens a forward with K guessed emits
+        K*      = argmax_K E(K) / cost(1 + K), or 0 when that is <= beat (plain's 1)
     """
 
     def __init__(self, cost: Callable[[int], float]):
@@ -184,7 +184,7 @@ class CopyLength:
 
     def length(self, text: list[int], proposal: list[int], n: int, beat: float = 1.0,
                room: int | None = None) -> int:
-        """L* for `proposal` (find()'s guess after a match of n tokens) at the end of `text`:
+        """K* for `proposal` (find()'s guess after a match of n tokens) at the end of `text`:
         0 unless its tokens per unit of cost beat `beat`; at most `room` (the budget left)."""
         self.learn(text)
         if proposal:

@@ -12,13 +12,15 @@
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
 `adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced as the
 CLI prices it: this machine's costs, measured once (seconds) into ~/.cache/engine/ and read
-back (engine/cost.py); False: the textbook loop.
+back (engine/cost.py); False, or lookahead given `window` or `guesses`: the textbook loop.
 A str prompt is chat-templated as the CLI does; a list of ints is sent as it is. Greedy unless
-temperature > 0; `seed` keys the draws. Errors are ValueErrors, as the CLI's `error:` lines.
+temperature > 0; `seed` keys the draws. A bad argument is a ValueError before any token, as
+the CLI's `error:` lines: raised by the call, or a decoder's knob by its first token's read.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
@@ -29,7 +31,7 @@ from engine.generate import Stats, generate
 from engine.llama import Llama
 from engine.packed import exact_by_default, prepack, quantize_int4
 from engine.policy import Prices, four_bit_copy
-from engine.sampling import Random, Sampler
+from engine.sampling import Random, Sampler, check_ids
 from engine.tokenizer import StreamDecoder, Tokenizer
 from engine.weights import default_checkpoint, load_model
 
@@ -42,6 +44,8 @@ def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     every decoder's tokens plain's bit for bit (fp32, bf16, int4); None, as the CLI: on where
     it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default)."""
     device = check_device(device)
+    if batch_invariant and not packed:   # as the CLI refuses --batch-invariant --no-prepack
+        raise ValueError("batch_invariant sets the packed path's kernels: it has no effect with packed=False")
     if int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
         model = quantize_int4(load_model(checkpoint, device, torch.float32))
     else:
@@ -88,12 +92,16 @@ class Engine:
              int4: bool = False, packed: bool = True, batch_invariant: bool | None = None) -> Engine:
         """A checkpoint directory (default: `make weights`' model) loaded as `build` does."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
+        if not Path(ckpt).is_dir():
+            raise ValueError(f"checkpoint {ckpt} is not a directory")
         return cls(build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed,
                          batch_invariant=batch_invariant), Tokenizer.load(ckpt))
 
     def ids(self, prompt: str | list[int]) -> list[int]:
         if not isinstance(prompt, str):
             return list(prompt)
+        if not prompt.strip():
+            raise ValueError("the prompt is empty")
         if self.tokenizer.chat_template:
             return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
         return self.tokenizer.encode(prompt, special=False)
@@ -101,7 +109,17 @@ class Engine:
     def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
                second: int | Llama | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
-        """New token ids as they are accepted, EOS included when it comes."""
+        """New token ids as they are accepted, EOS included when it comes. Not a generator
+        itself: its arguments are checked when it is called, its tokens drawn as they are read."""
+        ids = self.ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        check_ids(ids, self.model.config.vocab_size, "a prompt of ids")
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        if len(ids) + max_new_tokens > self.model.config.max_seq_len:
+            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
+                             f"the model's context ({self.model.config.max_seq_len})")
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
         d = DECODERS[decoder]
@@ -111,22 +129,28 @@ class Engine:
         if (second is None) != (d.second is None):
             raise ValueError(f"{decoder} takes second= (a layer count or a Llama)" if second is None
                              else f"{decoder} takes no second model")
+        if second is not None and (isinstance(second, bool) or not isinstance(second, (int, Llama))):
+            raise ValueError(f"second= is a layer count or a Llama, got {second!r}")
         extra = () if second is None else (d.early_exit(second) if isinstance(second, int) else second,)
         if d.adapts(knobs, adaptive):
             knobs = {**knobs, "policy": d.policy(self.model, *extra, prices(self.model, *extra), knobs)}
-        steps = d.decode(self.model, *extra, self.ids(prompt), sampler=Sampler(temperature, top_k, top_p),
+        steps = d.decode(self.model, *extra, ids, sampler=Sampler(temperature, top_k, top_p),
                          rng=Random(seed), max_new_tokens=max_new_tokens, **knobs)
         self.stats = Stats()
-        yield from generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids,
-                            stats=self.stats)
+        return generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
 
     def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
-        """The answer's text in pieces, each as soon as its bytes are whole UTF-8 (no EOS text)."""
-        pieces = StreamDecoder(self.tokenizer)
-        for x in self.tokens(prompt, **kw):
-            if x not in self.tokenizer.eos_ids:
-                yield pieces.push(x)
-        yield pieces.flush()
+        """The answer's text in pieces, each as soon as its bytes are whole UTF-8 (no EOS text);
+        checked when called, as tokens() is."""
+        return text_pieces(self.tokens(prompt, **kw), self.tokenizer)
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         return "".join(self.stream(prompt, **kw))
+
+
+def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:
+    pieces = StreamDecoder(tokenizer)
+    for x in tokens:
+        if x not in tokenizer.eos_ids:
+            yield pieces.push(x)
+    yield pieces.flush()

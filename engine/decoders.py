@@ -26,6 +26,7 @@ class Decoder:
     early_exit: Callable = int      # layers:L -> what decode() takes for an early exit of the target
     policy: Callable | None = None  # (model, [second,] prices, knobs) -> what decode(policy=) takes
     fixed_by: tuple[str, ...] = ()  # knobs that, given, ask for the textbook loop: no policy
+    rejection: Callable = lambda knobs: False   # verifies by rejection? (sampled: plain's law, not its tokens)
 
     def adapts(self, knobs: dict, adaptive: bool = True) -> bool:
         return self.policy is not None and adaptive and not set(self.fixed_by) & set(knobs)
@@ -36,8 +37,9 @@ DECODERS = {
     "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers"),
                          policy=policy.for_lookahead, fixed_by=("window", "guesses")),
     "speculative": Decoder(speculative.decode, ("num_draft", "verify"), "draft", SelfDraft,
-                           policy.for_speculative),
+                           policy.for_speculative, rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
-                                                "speculative", "num_draft"), "amateur"),
+                                                "speculative", "num_draft"), "amateur",
+                           rejection=lambda k: bool(k.get("speculative"))),
     "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens"), policy=policy.for_lookup),
 }

@@ -59,7 +59,7 @@ STATS_HELP = "the stats line (stderr; the same fields in --json):\n" + textwrap.
     textwrap.dedent((Stats.__doc__ or "").partition("\n\n")[2]).strip("\n"), "  ") + """
 then whose tokens the run may leave: "near-exact path" (fp32: at a near-tie), "inexact path" (k-row
 forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"
-  --json keys: text, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
+  --json keys: decoder, text, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
   accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
   tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
   and law_of (whose tokens, or only whose law, it must print), load_peak_rss_mb,
@@ -122,7 +122,8 @@ def parser() -> argparse.ArgumentParser:
                         f"dir; auto (default): int4 where the cost model says it pays (--no-adaptive: where it can be built), "
                         f"else layers:{SELF_DRAFT_LAYERS}")
     g.add_argument("--draft-cost", type=float,
-                   help="one draft token's cost in one-row target forwards, for --adaptive (default: "
+                   help="one draft token's cost in one-row target forwards, for --adaptive, of an int4 or "
+                        "checkpoint draft (layers:L is priced by its share of the layers; default: "
                         "measured once on this machine beside the cost table)")
     g.add_argument("--num-draft", type=int,
                    help="K draft tokens per step (--no-adaptive: default 4; adaptive: the K it starts "
@@ -342,8 +343,7 @@ def run(args) -> dict:
     held_to = "contrastive's" if args.decoder == "contrastive" else "plain's"
     one_row = args.decoder == "plain" or args.decoder == "contrastive" and not args.speculative
     # sampled, rejection verification keeps that law, not the seed's tokens (--verify coupled does)
-    law = args.temperature > 0 and (args.speculative if args.decoder == "contrastive"
-                                    else args.decoder == "speculative" and args.verify == "rejection")
+    law = args.temperature > 0 and DECODERS[args.decoder].rejection(knobs(args))
     return {"decoder": args.decoder, "text": text, "exact_path": exact,
             "held_to": None if one_row or law else held_to, "law_of": held_to if law else None,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),

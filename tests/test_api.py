@@ -150,6 +150,28 @@ def test_bad_arguments_are_value_errors(ckpt, kw, words):
         Engine.load(ckpt).generate("the", **kw)
 
 
+@pytest.mark.parametrize("prompt, kw, words", [
+    ([10**6], {}, "token ids"), ([-5], {}, "token ids"), ([], {}, "empty"), ("  ", {}, "empty"),
+    ([5], {"max_new_tokens": 0}, "max_new_tokens"), ([5], {"max_new_tokens": 10**6}, "context"),
+    ([5], {"decoder": "speculative", "second": "layers:8"}, "layer count or a Llama"),
+    ([5], {"decoder": "beam"}, "decoder 'beam'"), ([5], {"temperature": -1}, "temperature"),
+])
+def test_bad_arguments_raise_at_the_call_not_at_the_first_token(ckpt, prompt, kw, words):
+    # Why: an error that waits for the first next() lands far from the line that caused it, and
+    # an IndexError from the embedding or a silent empty answer is no error line at all
+    llm = Engine.load(ckpt)
+    for call in (llm.tokens, llm.stream):
+        with pytest.raises(ValueError, match=words):
+            call(prompt, **kw)                                      # called, never iterated
+
+
+def test_bad_loads_are_value_errors(ckpt):
+    with pytest.raises(ValueError, match="not a directory"):
+        Engine.load(ckpt / "nonexistent")
+    with pytest.raises(ValueError, match="packed=False"):   # the CLI's --no-prepack --batch-invariant
+        Engine.load(ckpt, packed=False, batch_invariant=True)
+
+
 @pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(), reason="run `make weights` first")
 def test_the_readme_snippet_runs(capsys):
     readme = (Path(__file__).parent.parent / "README.md").read_text()

@@ -119,8 +119,8 @@ def parser() -> argparse.ArgumentParser:
     g = p.add_argument_group("speculative")
     g.add_argument("--draft", default="auto",
                    help="int4: the target's weights in 4 bits; layers:L: the target's first L layers; a checkpoint "
-                        f"dir; auto (default): int4 where the cost model says it pays (--no-adaptive: where it can be built; never under a SIMD-less kernel dispatch), "
-                        f"else layers:{SELF_DRAFT_LAYERS}")
+                        "dir; auto (default): int4 where the cost model says it pays (--no-adaptive: where it can "
+                        f"be built; never under a SIMD-less kernel dispatch), else layers:{SELF_DRAFT_LAYERS}")
     g.add_argument("--draft-cost", type=float,
                    help="one draft token's cost in one-row target forwards, for --adaptive, of an int4 or "
                         "checkpoint draft (layers:L is priced by its share of the layers; default: "

@@ -21,6 +21,8 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
+from engine.lookahead import step_rows
+
 
 def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
              logits: tuple[Tensor, Tensor] | None = None) -> dict:
@@ -85,7 +87,7 @@ class Tracer:
                        "  (argmax of each column)")
         if t["parent"] != self.mask and not t.get("first"):   # the prompt's step is a causal chain
             self.mask = t["parent"]
-            out += self.picture(t["parent"], P, 1 + (N - 1) * W - (W > 0))
+            out += self.picture(t["parent"], P, step_rows(W, N, 0))   # x and the window
         out += [f"  guess {g}: {self.show(gram)}" for g, gram in enumerate(t["grams"])]
         out.append(f"  accepted {t['accepted']} of guess {t['best']}, then {then}" if t["accepted"] else
                    f"  {'no guess matched; ' if t['grams'] else 'no guesses; '}the target's {then}")

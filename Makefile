@@ -47,12 +47,15 @@ test: weights
 	  -k "not same_tokens_every_run and not bf16$(SECOND_SKIP)"
 
 # On a machine with a GPU (CI has none): the decoders' property tests with every tiny model on
-# CUDA, then every decoder against plain on the real weights there (docs/cuda.md).
+# CUDA, then every decoder against plain on the real weights there, --batch-invariant (docs/cuda.md).
 test-cuda: weights
 	ENGINE_TEST_DEVICE=cuda $(PY) -m pytest -q -p no:cacheprovider tests/test_lookahead.py \
 	  tests/test_lookup.py tests/test_speculative.py tests/test_contrastive.py tests/test_generate.py \
-	  tests/test_llama.py::test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device
-	$(PY) -m tools.exact --device cuda --paths fp32,bf16 --no-batch-invariant --quick --max-new-tokens 32
+	  tests/test_llama.py::test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device \
+	  tests/test_invariant.py::test_batch_invariant_verify_rows_get_plains_one_row_logits_on_the_tests_device \
+	  tests/test_packed.py::test_padded_matmuls_round_a_row_alike_at_every_row_count \
+	  tests/test_packed.py::test_batch_invariant_pads_every_matmul_on_cuda_and_is_refused_elsewhere_off_the_cpu
+	$(PY) -m tools.exact --device cuda --paths fp32,bf16 --quick --max-new-tokens 32
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*),

@@ -5,10 +5,11 @@ plain decoding would have drawn, one row at a time. That holds bit for bit only 
 kernel rounds a row alike in a k-row call and in a one-row call; then every decoder prints
 plain's tokens on that path, fp32, bf16 or 4-bit (`--batch-invariant`, packed.prepack):
 - matmuls: oneDNN's 2..32-row kernel, one row sent as two (packed.PackedLinear, min_rows=2);
-  torch's int4 kernel, row-invariant as measured here;
+  torch's int4 kernel, row-invariant as measured here; on CUDA, cuBLAS at one row count, 32
+  (packed.PaddedLinear);
 - attention: `row_attention` below, SDPA called for each row alone, as plain calls it (a
   prompt excepted: one call, the same in every decoder, whose first forward is plain's);
-- the probe `rows_round_alike(model)`, which the CLI's "exact path" claim rests on, per CPU.
+- the probe `rows_round_alike(model)`, which the CLI's "exact path" claim rests on, per machine.
 A reader learning the decoders may skip this file: on an inexact path they are still exact in
 law, and differ from plain only where a near-tie falls the other way.
 """
@@ -95,8 +96,8 @@ def gapped_rows(k: Tensor, v: Tensor, mask: Tensor, f: int, rows: list[int]):
 
 
 def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
-    """Whether this model's kernels round a row alike in a one-row and a k-row call on this CPU,
-    probed on random rows: one layer's projections, the head, and the attention (k rows of a
+    """Whether this model's kernels round a row alike in a one-row and a k-row call on this
+    machine, probed on random rows: one layer's projections, a norm, the head, and the attention (k rows of a
     lookahead-like step, each seeing the cache and every other new key up to itself, against
     each row alone over its own keys, as plain sends it). A CPU whose kernel picks another path
     by row count (AMX's, say), or attention that is not row_attention, answers False,
@@ -104,7 +105,7 @@ def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     c = model.config
     g = torch.Generator().manual_seed(0)
     x = torch.randn(k, c.dim, generator=g).to(model.tok_embeddings.weight)
-    layers = [model.layers[0].attention.wqkv, model.layers[0].feed_forward.w13,
+    layers = [model.layers[0].attention.wqkv, model.layers[0].feed_forward.w13, model.norm,
               model.packed_head or (lambda h: model.head(h[None])[0])]
     n = 300     # cached keys: past SDPA's first split of keys
     a = attention_dtype(x.dtype, x.device)                            # the dtype the model attends in

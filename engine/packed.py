@@ -113,35 +113,59 @@ def swap_projections(model: Llama, make) -> None:
                     setattr(parent, name, make(child.weight))
 
 
-CPU_ONLY = ("--batch-invariant runs on the CPU only: its row-invariant kernels are oneDNN's and its own; "
-            "on CUDA the rows of a k-row forward round apart whatever it does (docs/cuda.md)")
+class PaddedLinear(nn.Module):
+    """y = x W^T with every call MOST_ROWS rows long (CUDA, batch-invariant): zero rows pad a
+    short call, a long one goes in slices of MOST_ROWS.
+
+    cuBLAS picks its kernel by the call's shape, and kernels round a row apart; with one row
+    count there is one kernel, and a row of it depends on its own input alone. A one-row step,
+    bound by launches on a GPU (docs/cuda.md), pays little for the 31 zero rows.
+    """
+
+    def __init__(self, weight: Tensor):
+        super().__init__()
+        self.out_features, self.in_features = weight.shape
+        self.weight = weight
+
+    def forward(self, x: Tensor) -> Tensor:
+        x2 = x.reshape(-1, self.in_features)                          # (n, in)
+        n = x2.shape[0]
+        parts = F.pad(x2, (0, 0, 0, -n % MOST_ROWS)).split(MOST_ROWS)   # each (MOST_ROWS, in)
+        # a step of <= 32 rows (every one-row step) is one call: no concatenation to launch
+        y = torch.cat([F.linear(p, self.weight) for p in parts]) if len(parts) > 1 else F.linear(parts[0], self.weight)
+        return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
 
 
 def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
     the model is fp32 or bf16 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
 
-    batch_invariant: a row's outputs never depend on how many rows shared its forward: every
-    matmul call takes 2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), and on bf16
-    (bf16, --int4) and fp32 attention is engine/invariant.py's `row_attention`. There, with torch's int4
-    kernel (row-invariant as measured here), every decoder prints that path's plain tokens.
-    Off unless asked; engine.api.build (the CLI's loader) asks for it on bf16 and 4-bit models
-    (`exact_by_default`), and for fp32 only with --batch-invariant.
+    batch_invariant: a row's outputs never depend on how many rows shared its forward, and
+    attention is engine/invariant.py's `row_attention`. On a CPU every matmul call takes
+    2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), for fp32 and bf16; with
+    torch's int4 kernel (row-invariant as measured here) every decoder prints that path's plain
+    tokens. On CUDA, every dtype: each matmul a PaddedLinear of exactly MOST_ROWS rows.
+    Off unless asked; engine.api.build (the CLI's loader) asks for it on bf16 and 4-bit CPU
+    models (`exact_by_default`), and elsewhere only with --batch-invariant.
     """
-    if batch_invariant and model.tok_embeddings.weight.device.type != "cpu":
-        raise ValueError(CPU_ONLY)
-    m = 2 if batch_invariant else 1
-    if batch_invariant and model.tok_embeddings.weight.dtype in (torch.bfloat16, torch.float32):
+    w = model.tok_embeddings.weight
+    cuda = w.device.type == "cuda"
+    if batch_invariant and w.device.type not in ("cpu", "cuda"):
+        raise ValueError(f"batch-invariant kernels run on a CPU or CUDA, not on {w.device.type}")
+    if batch_invariant and (cuda or w.dtype in (torch.bfloat16, torch.float32)):
         for block in model.layers:
             block.attention.attend = row_attention
-    if not can_prepack(model.tok_embeddings.weight):
+    if cuda and batch_invariant:
+        swap = lambda weight: PaddedLinear(weight)
+    elif can_prepack(w):
+        swap = lambda weight: PackedLinear(weight, 2 if batch_invariant else 1)
+    else:
         return model
-    swap_projections(model, lambda weight: PackedLinear(weight, m))
+    swap_projections(model, swap)
+    # the embedding table stays for lookups (tied: the head reads a copy or the same tensor)
+    model.packed_head = swap(w if model.config.tie_embeddings else model.output.weight)
     if not model.config.tie_embeddings:
-        model.packed_head = PackedLinear(model.output.weight, m)
         del model.output                 # the packed copy replaces it, as in every layer
-    else:  # the embedding table stays for lookups; the head reads its packed copy
-        model.packed_head = PackedLinear(model.tok_embeddings.weight, m)
     return model
 
 

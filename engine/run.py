@@ -38,7 +38,6 @@ from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, cut, generate
 from engine.invariant import row_attention, rows_round_alike
 from engine.kvcache import ATEN_CAPABILITY
-from engine.packed import CPU_ONLY
 from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
 from engine.tokenizer import StreamDecoder, Tokenizer
@@ -95,9 +94,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
                    help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
                         "and attention runs each row as plain runs it, so every decoder prints that path's plain "
-                        "tokens bit for bit (CPU only; the stats line says where this CPU's kernels agree). "
-                        "Default: on for bf16 and --int4, where a one-row step and a prompt cost about the same; "
-                        "off for fp32 (one-row steps ~9%% slower) and off the CPU")
+                        "tokens bit for bit (on CUDA: every matmul padded to 32 rows; the stats line says where this "
+                        "machine's kernels agree). Default: on for bf16 and --int4 on a CPU, where a one-row step "
+                        "and a prompt cost about the same; off for fp32 (one-row steps ~9%% slower) and on CUDA")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
@@ -213,15 +212,13 @@ def check_flags(args) -> None:
             text.encode("utf-8")
         except UnicodeEncodeError as e:
             raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start}: {text[e.start]!r})") from None
-    dev = device(args.device)
+    device(args.device)
     if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
         raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
-    if args.batch_invariant and dev.type != "cpu":
-        raise ValueError(CPU_ONLY)
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     for flag in ("checkpoint", "draft", "amateur"):
@@ -455,7 +452,7 @@ def stats_line(r: dict) -> str:
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
             + (f" | rejection sampling: {r['law_of']} law, not {r['law_of']} tokens" if r.get("law_of") else "")
             + ("" if r["exact_path"] or not held else
-               f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant on a CPU: exact)"
+               f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant: exact)"
                if r.get("near_exact") else
                f" | inexact path: tokens may differ from {held} (k-row forwards round apart)"))
 

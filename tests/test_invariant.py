@@ -207,3 +207,25 @@ def test_the_row_probe_attends_under_the_kernels_a_forward_on_its_device_may_use
     monkeypatch.setattr(model.layers[0].attention, "attend", attend)
     invariant.rows_round_alike(model)
     assert calls and all(c == ["cpu"] for c in calls)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_batch_invariant_verify_rows_get_plains_one_row_logits_on_the_tests_device(dtype):
+    # Why: the flag's promise on any device it runs on (make test-cuda runs this on a GPU):
+    # a verify step's rows carry plain's one-row logits bit for bit, so no decoder can leave
+    # plain's tokens. Without the flag, fp32's SDPA (and on CUDA, cuBLAS) round rows apart
+    from conftest import DEVICE
+    from engine.llama import Llama, LlamaConfig
+    from tools.exact import margin
+    cfg = LlamaConfig(dim=64, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=96, vocab_size=64,
+                      head_dim=64)   # SmolLM2's heads, where SDPA rounds a row by the call's shape
+    prompts = {"a#0": list(range(1, 40)), "b#0": [5, 9, 2, 7] * 5}
+    model = lambda: Llama(cfg).requires_grad_(False).to(DEVICE, dtype)
+    torch.manual_seed(0)
+    exact = packed.prepack(model(), batch_invariant=True)
+    assert invariant.rows_round_alike(exact)
+    assert margin(exact, prompts, 20, rows=8)["max_diff"] == 0
+    torch.manual_seed(0)
+    near = packed.prepack(model())
+    if dtype == torch.float32 or DEVICE.type == "cuda":   # the broken variant: no flag
+        assert margin(near, prompts, 20, rows=8)["max_diff"] > 0 and not invariant.rows_round_alike(near)

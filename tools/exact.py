@@ -176,8 +176,7 @@ def parse_args(argv):
                    help="the same paths without --batch-invariant, for contrast (differences expected)")
     p.add_argument("--margin", action="store_true",
                    help="instead of the sweep: one-row against 16-row logits of plain's tokens, and top-2 gaps")
-    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (there --paths bf16,fp32 --no-batch-invariant: "
-                                                    "int4 and --batch-invariant are CPU-only)")
+    p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (there --paths bf16,fp32: int4 is CPU-only)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     at_most(p, args, {"max_new_tokens": 4096})
@@ -186,10 +185,9 @@ def parse_args(argv):
         p.error(f"--paths: distinct names of {', '.join(KINDS)}, got {','.join(args.paths)!r}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         p.error(f"--device: cpu or cuda[:N], got {args.device!r}")
-    if args.device != "cpu" and ("int4" in args.paths or not args.no_batch_invariant or not torch.cuda.is_available()):
+    if args.device != "cpu" and ("int4" in args.paths or not torch.cuda.is_available()):
         p.error(f"--device {args.device}: " + ("CUDA is not available here" if not torch.cuda.is_available() else
-                                             "int4 runs on the CPU only" if "int4" in args.paths else
-                                             "pass --no-batch-invariant (--batch-invariant is CPU-only)"))
+                                             "int4 runs on the CPU only"))
     return args
 
 

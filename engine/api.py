@@ -40,7 +40,7 @@ def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
           packed: bool = True, batch_invariant: bool | None = None) -> Llama:
     """The model as the CLI loads it: on `device` (cpu, cuda[:N]) in `dtype`; int4: --int4, the
     layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
-    the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU only),
+    the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU or CUDA),
     every decoder's tokens plain's bit for bit (fp32, bf16, int4); None, as the CLI: on where
     it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default)."""
     device = check_device(device)

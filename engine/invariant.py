@@ -22,7 +22,8 @@ from torch import Tensor
 from engine.kvcache import attention_dtype
 from engine.llama import Llama, attention_kernels
 
-MOST_ROWS = 32   # rows per batch-invariant matmul call (packed.PackedLinear): oneDNN's 2..32-row kernel
+MOST_ROWS = 32   # rows per batch-invariant matmul call: oneDNN's 2..32-row kernel (packed.PackedLinear),
+                 # and on CUDA every call's row count (packed.PaddedLinear)
 
 
 def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = None,
@@ -97,8 +98,8 @@ def gapped_rows(k: Tensor, v: Tensor, mask: Tensor, f: int, rows: list[int]):
 
 def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     """Whether this model's kernels round a row alike in a one-row and a k-row call on this
-    machine, probed on random rows: one layer's projections, a norm, the head, and the attention (k rows of a
-    lookahead-like step, each seeing the cache and every other new key up to itself, against
+    machine, probed on random rows: one layer's projections, a norm, the head, and the
+    attention (k rows of a lookahead-like step, each seeing the cache and every other new key up to itself, against
     each row alone over its own keys, as plain sends it). A CPU whose kernel picks another path
     by row count (AMX's, say), or attention that is not row_attention, answers False,
     and its k-row forwards may then leave plain's tokens."""

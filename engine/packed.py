@@ -1,11 +1,13 @@
-"""Fast CPU matmuls: every projection and the LM head on oneDNN-reordered weights.
+"""Fast CPU matmuls: every projection and the LM head on oneDNN-reordered weights (and on
+CUDA, batch-invariant ones: PaddedLinear).
 
 A k-row forward must cost about what a one-row forward costs, or lookahead and speculative
 decoding (which verify k rows per forward) cannot win. F.linear (MKL) leaves its one-row
 routine for k > 1 rows and repacks W on every call; oneDNN on a weight reordered once into
 its blocked layout streams it once for all k rows (`python -m tools.bench --forward-cost`).
 
-    model = prepack(load_model(ckpt))   # in place; CUDA, fp64 and fp16 models keep nn.Linear
+    model = prepack(load_model(ckpt))   # in place; fp64 and fp16 models keep nn.Linear, and
+                                        # CUDA ones unless batch_invariant
 
 `quantize_int4` goes further where exactness is not asked for: 4-bit weights in groups of 32,
 as GGUF's Q4_1 stores them, through torch's int4 kernel with bf16 activations, so a one-row
@@ -118,8 +120,8 @@ class PaddedLinear(nn.Module):
     short call, a long one goes in slices of MOST_ROWS.
 
     cuBLAS picks its kernel by the call's shape, and kernels round a row apart; with one row
-    count there is one kernel, and a row of it depends on its own input alone. A one-row step,
-    bound by launches on a GPU (docs/cuda.md), pays little for the 31 zero rows.
+    count there is one kernel, and a row of it depends on its own input alone. The price is
+    launches, which bound a GPU's step: bf16 plain ran at 0.63x on an H200 (docs/cuda.md).
     """
 
     def __init__(self, weight: Tensor):
@@ -130,15 +132,19 @@ class PaddedLinear(nn.Module):
     def forward(self, x: Tensor) -> Tensor:
         x2 = x.reshape(-1, self.in_features)                          # (n, in)
         n = x2.shape[0]
+        # subtle: every call must be exactly MOST_ROWS rows, one row as much as a prompt; an
+        # F.linear(x) shortcut for "small" calls would bring back the per-shape kernels
         parts = F.pad(x2, (0, 0, 0, -n % MOST_ROWS)).split(MOST_ROWS)   # each (MOST_ROWS, in)
-        # a step of <= 32 rows (every one-row step) is one call: no concatenation to launch
-        y = torch.cat([F.linear(p, self.weight) for p in parts]) if len(parts) > 1 else F.linear(parts[0], self.weight)
+        if len(parts) == 1:                                           # <= 32 rows: no concatenation
+            y = F.linear(parts[0], self.weight)                       # (MOST_ROWS, out)
+        else:
+            y = torch.cat([F.linear(p, self.weight) for p in parts])  # (MOST_ROWS * parts, out)
         return y[:n].view(*x.shape[:-1], -1)                          # (..., out)
 
 
 def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
-    """Swap every projection and the LM head for a PackedLinear, in place; a no-op unless
-    the model is fp32 or bf16 on a CPU with oneDNN (CUDA and other dtypes keep nn.Linear).
+    """Swap every projection and the LM head for a PackedLinear, in place, where the model is
+    fp32 or bf16 on a CPU with oneDNN (other dtypes keep nn.Linear, and CUDA unless below).
 
     batch_invariant: a row's outputs never depend on how many rows shared its forward, and
     attention is engine/invariant.py's `row_attention`. On a CPU every matmul call takes
@@ -156,7 +162,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
         for block in model.layers:
             block.attention.attend = row_attention
     if cuda and batch_invariant:
-        swap = lambda weight: PaddedLinear(weight)
+        swap = PaddedLinear
     elif can_prepack(w):
         swap = lambda weight: PackedLinear(weight, 2 if batch_invariant else 1)
     else:

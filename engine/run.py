@@ -331,10 +331,10 @@ def run(args) -> dict:
         print(before_stop(streamed + stream.flush(), args.stop)[shown:])
     text = before_stop(tok.decode([x for x in out if x not in tok.eos_ids]), args.stop)
     # subtle: a k-row forward rounds a row apart from a one-row forward (SDPA's key blocks follow
-    # the call's shape; in bf16 the matmuls too), so a decoder that verifies k rows may leave
-    # plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4 often.
-    # --batch-invariant (bf16 and int4's default) makes every kernel row-invariant
-    # (engine/invariant.py), probed on this CPU
+    # the call's shape; in bf16, and on CUDA, the matmuls too), so a decoder that verifies k rows
+    # may leave plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4
+    # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
+    # row-invariant (engine/invariant.py), probed on this machine
     exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model)
     # the tokens a decoder of k-row forwards is held to: plain's, or contrastive's own one-row steps
     held_to = "contrastive's" if args.decoder == "contrastive" else "plain's"
@@ -452,7 +452,7 @@ def stats_line(r: dict) -> str:
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
             + (f" | rejection sampling: {r['law_of']} law, not {r['law_of']} tokens" if r.get("law_of") else "")
             + ("" if r["exact_path"] or not held else
-               f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant: exact)"
+               f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant on fp32: exact)"
                if r.get("near_exact") else
                f" | inexact path: tokens may differ from {held} (k-row forwards round apart)"))
 

@@ -13,7 +13,7 @@ PROMPTS = {"a#0": [1, 2, 3, 1, 2], "b#0": [4, 5, 6, 7], "c#0": [2, 2, 2]}
 @pytest.mark.parametrize("argv", [["--max-new-tokens", "0"], ["--max-new-tokens", "x"],
                                   ["--nope"], ["--quick", "1"], ["--no-batch-invariant=yes"],
                                   ["--paths", "fp16"], ["--paths", ""], ["--paths", "fp32,fp32"],
-                                  ["--device", "tpu"], ["--device", "cuda", "--paths", "fp32"]])
+                                  ["--device", "tpu"], ["--device", "cuda", "--paths", "int4"]])
 def test_bad_flags_exit_2_with_one_error_line(argv, capsys):
     from tools.exact import main
     with pytest.raises(SystemExit) as e:

@@ -157,8 +157,8 @@ def test_padded_matmuls_round_a_row_alike_at_every_row_count(dtype):
     assert all(torch.equal(lin(x[:M]), alone[:M]) for M in (2, 5, 32, 33, 40, 64, 100))
     torch.testing.assert_close(alone, torch.nn.functional.linear(x, lin.weight), rtol=2e-2, atol=2e-2)
     if DEVICE.type == "cuda" and dtype == torch.float32:   # the broken variant: each call at its
-        # own row count. On an H200 fp32 rows rounded apart so; bf16 happened to agree at this
-        # shape (docs/cuda/run4/pytest.txt), though a bf16 model's verify rows did not (run4/probe.json)
+        # own row count. On an H200 fp32 rows rounded apart so; bf16's happened to agree at this
+        # shape (docs/cuda/run4/pytest.txt), so no run shows bf16's cuBLAS needing the padding
         one_row = torch.cat([torch.nn.functional.linear(x[i:i + 1], lin.weight) for i in range(100)])
         assert not all(torch.equal(torch.nn.functional.linear(x[:M], lin.weight), one_row[:M])
                        for M in (2, 5, 32, 33, 40, 64, 100))

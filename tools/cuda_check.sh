@@ -23,7 +23,8 @@ if [ "$CK" = tests ]; then
     tests/test_llama.py::test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device \
     tests/test_invariant.py::test_batch_invariant_verify_rows_get_plains_one_row_logits_on_the_tests_device \
     tests/test_packed.py::test_padded_matmuls_round_a_row_alike_at_every_row_count \
-    tests/test_packed.py::test_batch_invariant_pads_every_matmul_on_cuda_and_is_refused_elsewhere_off_the_cpu > "$OUT/pytest.txt" 2>&1
+    tests/test_packed.py::test_batch_invariant_pads_every_matmul_on_cuda_and_is_refused_elsewhere_off_the_cpu \
+    > "$OUT/pytest.txt" 2>&1
   echo "pytest rc=$?" >> "$L"
   timeout 150 $PY -m tools.cuda_attention --out "$OUT/attention" >> "$L" 2>&1
   echo "attention rc=$?" >> "$L"; date >> "$L"
@@ -47,7 +48,7 @@ P="Explain in two sentences why the sky is blue."
   rm -f "$OUT/run.json" "$OUT/run.err"
 } >> "$L" 2>&1
 date +"%T tools.exact" >> "$L"
-timeout 200 $PY -m tools.exact --device cuda --checkpoint "$CK" --paths bf16,fp32 --quick \
+timeout 320 $PY -m tools.exact --device cuda --checkpoint "$CK" --paths bf16,fp32 --quick \
   --max-new-tokens $N --out "$OUT/exact" >> "$L" 2>&1
 echo "exact rc=$?" >> "$L"
 for dt in float32 bfloat16; do

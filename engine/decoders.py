@@ -27,19 +27,22 @@ class Decoder:
     policy: Callable | None = None  # (model, [second,] prices, knobs) -> what decode(policy=) takes
     fixed_by: tuple[str, ...] = ()  # knobs that, given, ask for the textbook loop: no policy
     rejection: Callable = lambda knobs: False   # verifies by rejection? (sampled: plain's law, not its tokens)
+    one_row: Callable = lambda knobs: False     # only one-row forwards? (then no k-row rounding to disclaim)
+    held_to: str = "plain's"                    # whose tokens (or law) its k-row forwards must keep
 
     def adapts(self, knobs: dict, adaptive: bool = True) -> bool:
         return self.policy is not None and adaptive and not set(self.fixed_by) & set(knobs)
 
 
 DECODERS = {
-    "plain": Decoder(plain),
+    "plain": Decoder(plain, one_row=lambda knobs: True),
     "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers"),
                          policy=policy.for_lookahead, fixed_by=("window", "guesses")),
     "speculative": Decoder(speculative.decode, ("num_draft", "verify"), "draft", SelfDraft,
                            policy.for_speculative, rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
                                                 "speculative", "num_draft"), "amateur",
-                           rejection=lambda k: bool(k.get("speculative"))),
+                           rejection=lambda k: bool(k.get("speculative")),
+                           one_row=lambda k: not k.get("speculative"), held_to="contrastive's"),
     "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens"), policy=policy.for_lookup),
 }

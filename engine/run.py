@@ -33,7 +33,7 @@ from engine.api import build, check_device, prices as api_prices
 from engine.config import load_config
 from engine.cost import load_table
 from engine import lookahead
-from engine.decoders import DECODERS
+from engine.decoders import DECODERS, Decoder
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, cut, generate
 from engine.invariant import row_attention, rows_round_alike
@@ -336,13 +336,8 @@ def run(args) -> dict:
     # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
     # row-invariant (engine/invariant.py), probed on this machine
     exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model)
-    # the tokens a decoder of k-row forwards is held to: plain's, or contrastive's own one-row steps
-    held_to = "contrastive's" if args.decoder == "contrastive" else "plain's"
-    one_row = args.decoder == "plain" or args.decoder == "contrastive" and not args.speculative
-    # sampled, rejection verification keeps that law, not the seed's tokens (--verify coupled does)
-    law = args.temperature > 0 and DECODERS[args.decoder].rejection(knobs(args))
-    return {"decoder": args.decoder, "text": text, "exact_path": exact,
-            "held_to": None if one_row or law else held_to, "law_of": held_to if law else None,
+    held_to, law_of = promise(d, given, args.temperature)
+    return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": held_to, "law_of": law_of,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
@@ -353,6 +348,15 @@ def run(args) -> dict:
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
             **second_model(args, second)}
+
+
+def promise(d: Decoder, knobs: dict, temperature: float) -> tuple[str | None, str | None]:
+    """(held_to, law_of): whose tokens a decoder of k-row forwards must print (plain's, or
+    contrastive's own one-row steps); sampled and verified by rejection, only whose law (coupled
+    keeps the seed's tokens). A decoder of one-row forwards only has nothing to disclaim."""
+    if temperature > 0 and d.rejection(knobs):
+        return None, d.held_to
+    return None if d.one_row(knobs) else d.held_to, None
 
 
 def second_model(args, second: tuple) -> dict:

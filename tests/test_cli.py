@@ -387,6 +387,25 @@ def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     assert "plain's law, not plain's tokens" in law and "inexact" not in law
 
 
+@pytest.mark.parametrize("name, knobs, temperature, want", [
+    ("plain", {}, 0.8, (None, None)),
+    ("lookahead", {}, 0.8, ("plain's", None)),
+    ("lookup", {}, 0.0, ("plain's", None)),
+    ("speculative", {"verify": "rejection"}, 0.0, ("plain's", None)),        # greedy: tokens
+    ("speculative", {"verify": "rejection"}, 0.8, (None, "plain's")),        # sampled: the law
+    ("speculative", {"verify": "coupled"}, 0.8, ("plain's", None)),          # coupled: the seed's tokens
+    ("contrastive", {"speculative": False}, 0.8, (None, None)),              # one-row steps only
+    ("contrastive", {"speculative": True}, 0.0, ("contrastive's", None)),
+    ("contrastive", {"speculative": True}, 0.8, (None, "contrastive's"))])
+def test_each_decoder_promises_whose_tokens_or_law_its_registry_line_says(name, knobs, temperature, want):
+    # Why: the stats line and --json's held_to/law_of tell a user what a run may be held to; the
+    # registry (rejection, one_row, held_to), not the decoder's name, decides it, so a new
+    # decoder's line cannot inherit plain's promise by accident
+    from engine.decoders import DECODERS
+    from engine.run import promise
+    assert promise(DECODERS[name], knobs, temperature) == want
+
+
 @real
 def test_the_first_run_says_where_it_kept_the_cost_table_and_later_runs_do_not(tmp_path, monkeypatch, capsys):
     # why: the table is measured once and priced with forever after, so the user must learn

@@ -28,7 +28,7 @@ import torch
 from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
-from engine.llama import Llama
+from engine.llama import Llama, LlamaConfig
 from engine.packed import exact_by_default, prepack, quantize_int4
 from engine.policy import Prices, four_bit_copy
 from engine.sampling import Random, Sampler, check_ids
@@ -98,13 +98,7 @@ class Engine:
                          batch_invariant=batch_invariant), Tokenizer.load(ckpt))
 
     def ids(self, prompt: str | list[int]) -> list[int]:
-        if not isinstance(prompt, str):
-            return list(prompt)
-        if not prompt.strip():
-            raise ValueError("the prompt is empty")
-        if self.tokenizer.chat_template:
-            return self.tokenizer.encode_chat([{"role": "user", "content": prompt}])
-        return self.tokenizer.encode(prompt, special=False)
+        return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
 
     def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
@@ -117,9 +111,7 @@ class Engine:
         check_ids(ids, self.model.config.vocab_size, "a prompt of ids")
         if type(max_new_tokens) is not int or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        if len(ids) + max_new_tokens > self.model.config.max_seq_len:
-            raise ValueError(f"prompt ({len(ids)} tokens) + max_new_tokens ({max_new_tokens}) exceeds "
-                             f"the model's context ({self.model.config.max_seq_len})")
+        check_fits(len(ids), max_new_tokens, self.model.config)
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
         d = DECODERS[decoder]
@@ -146,6 +138,25 @@ class Engine:
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         return "".join(self.stream(prompt, **kw))
+
+
+def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:
+    """A text prompt's ids, as the CLI and the API send it: one user message in the chat
+    template (none: the text itself); raw (--raw): the text itself, its special-token strings
+    (<|im_start|>, <s>) become control tokens."""
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode(text, special=raw)
+    return tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, budget: str = "max_new_tokens") -> None:
+    """n prompt tokens and the token budget must fit the model's context."""
+    if n + max_new_tokens > config.max_seq_len:
+        capped = ", capped at its sliding window" if config.sliding_window else ""
+        raise ValueError(f"prompt ({n} tokens) + {budget} ({max_new_tokens}) exceeds the model's "
+                         f"context ({config.max_seq_len}{capped})")
 
 
 def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:

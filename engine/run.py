@@ -29,7 +29,7 @@ from pathlib import Path
 
 import torch
 
-from engine.api import build, check_device, prices as api_prices
+from engine.api import build, check_device, check_fits, encode, prices as api_prices
 from engine.config import load_config
 from engine.cost import load_table
 from engine import lookahead
@@ -288,16 +288,8 @@ def run(args) -> dict:
                          f"than the tokenizer's {tok.vocab_size} ids")
     # a text of more than context x the longest token's characters cannot fit; 4 bytes a character
     text = args.prompt if args.prompt is not None else read_stdin(4 * tok.max_text_chars)
-    if not text.strip():
-        raise ValueError("the prompt is empty")
-    if args.raw or not tok.chat_template:   # --raw: control tokens on purpose; see --help
-        prompt = tok.encode(text, special=args.raw)
-    else:
-        prompt = tok.encode_chat([{"role": "user", "content": text}])
-    if len(prompt) + args.max_new_tokens > context:
-        raise ValueError(f"prompt ({len(prompt)} tokens) + --max-new-tokens ({args.max_new_tokens})"
-                         f" exceeds the model's context ({context}"
-                         + (", capped at its sliding window)" if config.sliding_window else ")"))
+    prompt = encode(tok, text, args.raw)        # --raw: control tokens on purpose; see --help
+    check_fits(len(prompt), args.max_new_tokens, config, "--max-new-tokens")
     bound_knobs(args, context)
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)

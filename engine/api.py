@@ -143,7 +143,7 @@ class Engine:
 def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:
     """A text prompt's ids, as the CLI and the API send it: one user message in the chat
     template (none: the text itself); raw (--raw): the text itself, its special-token strings
-    (<|im_start|>, <s>) become control tokens."""
+    (<|im_start|>, <s>) become control tokens. A blank text is a ValueError."""
     if not text.strip():
         raise ValueError("the prompt is empty")
     if raw or not tokenizer.chat_template:
@@ -151,11 +151,12 @@ def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:
     return tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, budget: str = "max_new_tokens") -> None:
-    """n prompt tokens and the token budget must fit the model's context."""
+def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = "max_new_tokens") -> None:
+    """n prompt tokens and the token budget must fit the model's context, else a ValueError
+    naming the budget as `flag`."""
     if n + max_new_tokens > config.max_seq_len:
         capped = ", capped at its sliding window" if config.sliding_window else ""
-        raise ValueError(f"prompt ({n} tokens) + {budget} ({max_new_tokens}) exceeds the model's "
+        raise ValueError(f"prompt ({n} tokens) + {flag} ({max_new_tokens}) exceeds the model's "
                          f"context ({config.max_seq_len}{capped})")
 
 

@@ -342,13 +342,13 @@ def run(args) -> dict:
             **second_model(args, second)}
 
 
-def promise(d: Decoder, knobs: dict, temperature: float) -> tuple[str | None, str | None]:
+def promise(d: Decoder, given: dict, temperature: float) -> tuple[str | None, str | None]:
     """(held_to, law_of): whose tokens a decoder of k-row forwards must print (plain's, or
     contrastive's own one-row steps); sampled and verified by rejection, only whose law (coupled
     keeps the seed's tokens). A decoder of one-row forwards only has nothing to disclaim."""
-    if temperature > 0 and d.rejection(knobs):
+    if temperature > 0 and d.rejection(given):
         return None, d.held_to
-    return None if d.one_row(knobs) else d.held_to, None
+    return None if d.one_row(given) else d.held_to, None
 
 
 def second_model(args, second: tuple) -> dict:
@@ -434,7 +434,7 @@ def warn(line: str) -> None:
 def stats_line(r: dict) -> str:
     """The stderr stats line; every field is defined in STATS_HELP (--help)."""
     hist = " ".join(f"{k}x{v}" for k, v in r["step_lengths"].items())
-    held = r.get("held_to", None if r["decoder"] == "plain" else "plain's")   # whose tokens it must print
+    held = r["held_to"]   # whose tokens it must print (run.promise)
     draft = f" | {r['draft_forwards']} draft forwards" if r["draft_forwards"] else ""
     for m in ("draft", "amateur"):   # which model (--draft auto chose one), and the memory it adds
         if m in r:

@@ -375,10 +375,10 @@ def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     from engine.run import stats_line
     r = {"decoder": "lookahead", "step_lengths": {1: 3}, "draft_forwards": 0, "acceptance": None,
          "n_tokens": 3, "n_forwards": 3, "tokens_per_forward": 1.0, "prefill_seconds": 0.1,
-         "decode_tokens_per_second": 9.0, "exact_path": False}
+         "decode_tokens_per_second": 9.0, "exact_path": False, "held_to": "plain's"}
     assert "inexact path" in stats_line(r)
     assert "inexact" not in stats_line(r | {"exact_path": True})
-    assert "inexact" not in stats_line(r | {"decoder": "plain"})
+    assert "inexact" not in stats_line(r | {"decoder": "plain", "held_to": None})
     # contrastive is held to its own one-row steps: --speculative may leave them, alone it cannot
     assert "differ from contrastive's" in stats_line(r | {"decoder": "contrastive", "held_to": "contrastive's"})
     assert "inexact" not in stats_line(r | {"decoder": "contrastive", "held_to": None})
@@ -387,23 +387,33 @@ def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     assert "plain's law, not plain's tokens" in law and "inexact" not in law
 
 
-@pytest.mark.parametrize("name, knobs, temperature, want", [
+PROMISES = [
     ("plain", {}, 0.8, (None, None)),
     ("lookahead", {}, 0.8, ("plain's", None)),
     ("lookup", {}, 0.0, ("plain's", None)),
+    ("lookup", {}, 0.8, ("plain's", None)),                                  # matched, not rejected
     ("speculative", {"verify": "rejection"}, 0.0, ("plain's", None)),        # greedy: tokens
     ("speculative", {"verify": "rejection"}, 0.8, (None, "plain's")),        # sampled: the law
+    ("speculative", {}, 0.8, (None, "plain's")),                             # rejection is the default
     ("speculative", {"verify": "coupled"}, 0.8, ("plain's", None)),          # coupled: the seed's tokens
     ("contrastive", {"speculative": False}, 0.8, (None, None)),              # one-row steps only
     ("contrastive", {"speculative": True}, 0.0, ("contrastive's", None)),
-    ("contrastive", {"speculative": True}, 0.8, (None, "contrastive's"))])
+    ("contrastive", {"speculative": True}, 0.8, (None, "contrastive's"))]
+
+
+@pytest.mark.parametrize("name, knobs, temperature, want", PROMISES)
 def test_each_decoder_promises_whose_tokens_or_law_its_registry_line_says(name, knobs, temperature, want):
     # Why: the stats line and --json's held_to/law_of tell a user what a run may be held to; the
-    # registry (rejection, one_row, held_to), not the decoder's name, decides it, so a new
-    # decoder's line cannot inherit plain's promise by accident
+    # registry (rejection, one_row, held_to), not the decoder's name, decides it
     from engine.decoders import DECODERS
     from engine.run import promise
     assert promise(DECODERS[name], knobs, temperature) == want
+
+
+def test_every_registered_decoder_has_its_promise_pinned():
+    # a new decoder's line must not inherit plain's promise unread: the table above names it
+    from engine.decoders import DECODERS
+    assert {name for name, *_ in PROMISES} == set(DECODERS)
 
 
 @real

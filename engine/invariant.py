@@ -99,10 +99,10 @@ def gapped_rows(k: Tensor, v: Tensor, mask: Tensor, f: int, rows: list[int]):
 def rows_round_alike(model: Llama, k: int = 2 * MOST_ROWS + 3) -> bool:
     """Whether this model's kernels round a row alike in a one-row and a k-row call on this
     machine, probed on random rows: one layer's projections, a norm, the head, and the
-    attention (k rows of a lookahead-like step, each seeing the cache and every other new key up to itself, against
-    each row alone over its own keys, as plain sends it). A CPU whose kernel picks another path
-    by row count (AMX's, say), or attention that is not row_attention, answers False,
-    and its k-row forwards may then leave plain's tokens."""
+    attention (k rows of a lookahead-like step, each seeing the cache and every other new key
+    up to itself, against each row alone over its own keys, as plain sends it). A kernel that
+    picks another path by row count (AMX's, say; cuBLAS's unpadded), or attention that is not
+    row_attention, answers False, and its k-row forwards may then leave plain's tokens."""
     c = model.config
     g = torch.Generator().manual_seed(0)
     x = torch.randn(k, c.dim, generator=g).to(model.tok_embeddings.weight)

@@ -57,7 +57,8 @@ class Parser(argparse.ArgumentParser):
 STATS_HELP = "the stats line (stderr; the same fields in --json):\n" + textwrap.indent(
     textwrap.dedent((Stats.__doc__ or "").partition("\n\n")[2]).strip("\n"), "  ") + """
 then whose tokens the run may leave: "near-exact path" (fp32: at a near-tie), "inexact path" (k-row
-forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"
+forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"; no such note:
+it prints them bit for bit (an exact path, or one-row steps only)
   --json keys: decoder, text, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
   accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
   tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
@@ -92,11 +93,12 @@ def parser() -> argparse.ArgumentParser:
                    help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row "
                         "forwards most)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                   help="rows round alike however many share a forward: one-row matmuls take the k-row kernel, "
-                        "and attention runs each row as plain runs it, so every decoder prints that path's plain "
-                        "tokens bit for bit (on CUDA: every matmul padded to 32 rows; the stats line says where this "
-                        "machine's kernels agree). Default: on for bf16 and --int4 on a CPU, where a one-row step "
-                        "and a prompt cost about the same; off for fp32 (one-row steps ~9%% slower) and on CUDA")
+                   help="each row of a forward rounds as it would alone (attention one row per call; on a CPU "
+                        "one-row matmuls take the k-row kernel, on CUDA the projections and head go as 32-row "
+                        "calls), so every decoder prints bit for bit what plain prints with the same flags, where "
+                        "this machine's probe agrees (--json exact_path; else the stats line says so). Default: on "
+                        "for bf16 and --int4 on a CPU, where it costs a one-row step about nothing; off for fp32 on "
+                        "a CPU (one-row steps ~9%% slower) and on CUDA for every dtype (H200: bf16 plain 0.63x)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")

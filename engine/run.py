@@ -98,7 +98,8 @@ def parser() -> argparse.ArgumentParser:
                         "calls), so every decoder prints bit for bit what plain prints with the same flags, where "
                         "this machine's probe agrees (--json exact_path; else the stats line says so). Default: on "
                         "for bf16 and --int4 on a CPU, where it costs a one-row step about nothing; off for fp32 on "
-                        "a CPU (one-row steps ~9%% slower) and on CUDA for every dtype (H200, one run: bf16 plain 0.63x)")
+                        "a CPU (one-row steps ~9%% slower) and on CUDA for every dtype (H200, one run: bf16 plain "
+                        "0.63x)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")

@@ -140,11 +140,14 @@ def one_row_seconds(model: Llama, context: int) -> float:
 
 
 def model_key(model: Llama) -> str:
-    """What a measured price depends on: the machine, torch, dtype, kernels and model shape."""
+    """What a measured price depends on: the machine, torch, dtype, kernels and model shape (and
+    a compiled stack, engine/aot.py, where there is one)."""
     w, layer = model.tok_embeddings.weight, model.layers[0]
+    compiled = "|compiled" if "blocks" in model.__dict__ else ""
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                               torch.__version__, device_name(w.device), w.dtype,
-                              type(layer.feed_forward.w13).__name__, layer.attention.attend.__name__, model.config)))
+                              type(layer.feed_forward.w13).__name__, layer.attention.attend.__name__,
+                              model.config))) + compiled
 
 
 def device_name(device: torch.device) -> str:

@@ -29,6 +29,7 @@ from pathlib import Path
 
 import torch
 
+from engine.aot import compile_step
 from engine.api import build, check_device, check_fits, encode, prices as api_prices
 from engine.config import load_config
 from engine.cost import load_table
@@ -103,6 +104,11 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), bf16 activations: "
                         "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
+    p.add_argument("--compile", action="store_true",
+                   help="--int4's layer stack compiled ahead of time (engine/aot.py): built once per machine and "
+                        "model (1-2 minutes; needs a C++ compiler), kept beside the cost table, loaded in seconds "
+                        "after. Every decoder prints the compiled plain's tokens, which may differ from eager "
+                        "plain's; where it cannot compile, one note and the eager step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
     p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
     p.add_argument("--cost-table", metavar="JSON",
@@ -218,6 +224,9 @@ def check_flags(args) -> None:
     device(args.device)
     if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
+    if args.compile and not (args.int4 and args.batch_invariant is not False):
+        raise ValueError("--compile compiles the exact 4-bit step: pass --int4 --dtype bfloat16 "
+                         "(and not --no-batch-invariant)")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
@@ -297,6 +306,10 @@ def run(args) -> dict:
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
     second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
+    if args.compile:   # built once per machine and model (said as it goes), then loaded
+        early = second[0] if second and isinstance(second[0], (int, SelfDraft)) else None
+        model = compile_step(model, lambda line: warn(f"note: {line}"),
+                             splits=[early.layers if isinstance(early, SelfDraft) else early] if early else [])
     d, given = DECODERS[args.decoder], knobs(args)
     if d.adapts(given, args.adaptive):   # priced by this machine's costs; a note says where they went
         second, price_list = prices(args, model, second, notes)
@@ -330,7 +343,9 @@ def run(args) -> dict:
     # may leave plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4
     # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
     # row-invariant (engine/invariant.py), probed on this machine
-    exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model)
+    # and compiled (--compile), no forward that decides tokens may have run eager after the prompt
+    exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model) \
+        and not getattr(model.blocks, "eager", 0)
     held_to, law_of = promise(d, given, args.temperature)
     return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": held_to, "law_of": law_of,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),

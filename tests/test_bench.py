@@ -84,7 +84,7 @@ def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
     import tools.bench as bench
     other = tiny_llama(1, vocab=8)                     # "compiled": another model, other tokens
     monkeypatch.setattr(bench, "build", lambda *a, **k: other)
-    monkeypatch.setattr(bench, "compile_model", lambda model, notify: model)
+    monkeypatch.setattr(bench, "compile_step", lambda model, notify: model)
     configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
     assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile"}
     table = bench.compare(tiny_llama(0, vocab=8), {"a": [[1, 2, 3, 1, 2, 3]]}, configs, repeats=1, max_new_tokens=10)

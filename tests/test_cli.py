@@ -51,6 +51,8 @@ def built_once():
     (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
     (["--stop", "", "--prompt", "hi"], "--stop"),
     (["--int4", "--prompt", "hi"], "bfloat16"),
+    (["--compile", "--prompt", "hi"], "--int4"),
+    (["--compile", "--int4", "--dtype", "bfloat16", "--no-batch-invariant", "--prompt", "hi"], "--compile"),
     (["--draft-cost", "0", "--prompt", "hi"], "--draft-cost"),
     (["--draft-cost", "nan", "--prompt", "hi"], "--draft-cost"),
 ])

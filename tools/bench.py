@@ -27,7 +27,7 @@ from pathlib import Path
 
 import torch
 
-from tools.compiled import compile_model
+from engine.aot import compile_step
 from engine.api import build, prices as api_prices
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft, resident_bytes
@@ -240,9 +240,9 @@ def baseline(name: str, configs) -> str:
 
 
 def compiled_configs(checkpoint: Path, suffix: str, eos_ids, max_new_tokens: int) -> dict:
-    """`--compile`: plain, lookahead auto and lookup on the exact 4-bit path compiled
-    (tools/compiled.py), each held to the compiled plain's tokens (`baseline`)."""
-    model = compile_model(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress)
+    """`--compile`: plain, lookahead auto and lookup on the exact 4-bit path compiled ahead of
+    time (engine/aot.py, the CLI's --compile), each held to the compiled plain's tokens (`baseline`)."""
+    model = compile_step(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress)
     names = {f"{name}{suffix} --compile": name for name in ("plain", "lookahead auto", "lookup")}
     return {mine: (lambda p, c=CONFIGS[name]: decode_once(model, p, c, max_new_tokens, eos_ids))
             for mine, name in names.items()}
@@ -545,8 +545,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true",
-                   help="add plain, lookahead auto and lookup on the exact 4-bit path compiled "
-                        "(tools/compiled.py; minutes of warm-up), held to the compiled plain's tokens")
+                   help="add plain, lookahead auto and lookup on the exact 4-bit path compiled ahead of time "
+                        "(engine/aot.py, the CLI's --compile; built once), held to the compiled plain's tokens")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")

@@ -42,7 +42,9 @@ from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
 MODES = {"greedy": Sampler(), "seeded": Sampler(temperature=0.8)}
-KINDS = ("int4", "bf16", "fp32")     # --paths: the weights' kind (int4: 4-bit layers, bf16 activations)
+# --paths: the weights' kind (int4: 4-bit layers, bf16 activations; int4-compiled: the CLI's --int4
+# --compile, with graphs for the self-draft's and the amateur's early exits too)
+KINDS = ("int4", "bf16", "fp32", "int4-compiled")
 
 
 @dataclass(frozen=True)
@@ -139,9 +141,11 @@ def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict
 def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
     """The model as the CLI loads it (engine.api.build): int4 from the fp32 weights (CPU only),
     else bf16 or fp32."""
+    from engine.aot import compile_step
     from engine.api import build
-    return build(checkpoint, dtype=torch.bfloat16 if kind == "bf16" else torch.float32, device=device,
-                 int4=kind == "int4", batch_invariant=batch_invariant)
+    model = build(checkpoint, dtype=torch.bfloat16 if kind.startswith(("bf16", "int4")) else torch.float32,
+                  device=device, int4=kind.startswith("int4"), batch_invariant=batch_invariant)
+    return compile_step(model, progress, splits=[20, 8]) if kind == "int4-compiled" else model
 
 
 def cell(c: dict | None) -> str:
@@ -171,7 +175,7 @@ def parse_args(argv):
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--max-new-tokens", type=int, default=64)
     p.add_argument("--quick", action="store_true", help="one prompt per category")
-    p.add_argument("--paths", default=",".join(KINDS), help=f"comma-separated, of {', '.join(KINDS)}")
+    p.add_argument("--paths", default=",".join(KINDS[:3]), help=f"comma-separated, of {', '.join(KINDS)}")
     p.add_argument("--no-batch-invariant", action="store_true",
                    help="the same paths without --batch-invariant, for contrast (differences expected)")
     p.add_argument("--margin", action="store_true",
@@ -185,7 +189,7 @@ def parse_args(argv):
         p.error(f"--paths: distinct names of {', '.join(KINDS)}, got {','.join(args.paths)!r}")
     if args.device not in ("cpu", "cuda") and not args.device.startswith("cuda:"):
         p.error(f"--device: cpu or cuda[:N], got {args.device!r}")
-    if args.device != "cpu" and ("int4" in args.paths or not torch.cuda.is_available()):
+    if args.device != "cpu" and (any(k.startswith("int4") for k in args.paths) or not torch.cuda.is_available()):
         p.error(f"--device {args.device}: " + ("CUDA is not available here" if not torch.cuda.is_available() else
                                              "int4 runs on the CPU only"))
     return args

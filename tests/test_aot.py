@@ -1,0 +1,225 @@
+"""The 4-bit step compiled ahead of time (engine/aot.py, --compile): a k-row forward's rows get
+the compiled one-row step's bits, so every decoder prints the compiled plain's tokens; a forward
+that had to run eager is counted; a stored step is loaded, never rebuilt; and where it cannot
+compile or load, it says so once and leaves the eager model working.
+
+Building costs about 30 s for the tiny model here, so one build serves the module.
+"""
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from conftest import prompt_for, run, tiny_llama
+from engine import aot, lookahead, lookup, packed, speculative
+from engine.draft import SelfDraft
+from engine.generate import plain
+from engine.invariant import row_attention
+from engine.kvcache import KVCache
+from engine.llama import Llama, LlamaConfig
+from engine.sampling import Sampler
+
+ROOT = Path(__file__).resolve().parents[1]
+V = 64
+
+
+def int4(seed: int = 0, batch_invariant: bool = True):
+    """A tiny 4-bit model as --int4 builds it (int4 layers, bf16, the exact path by default);
+    D = 64 and Hkv = 3 as SmolLM2's (at D = 16, SDPA's kernel rounds a row alike in a masked
+    k-row call by luck), and 3 layers."""
+    cfg = LlamaConfig(dim=384, n_layers=3, n_heads=6, n_kv_heads=3, hidden_dim=64, vocab_size=V)
+    model = Llama(cfg).float().requires_grad_(False)
+    g = torch.Generator().manual_seed(seed)
+    for name, p in sorted(model.named_parameters()):
+        p.data = 1 + 0.1 * torch.randn(p.shape, generator=g) if name.endswith("norm.weight") else \
+            torch.randn(p.shape, generator=g) / p.shape[-1] ** 0.5
+    model.tok_embeddings.weight.data *= 384 ** 0.5 / 4
+    return packed.prepack(packed.quantize_int4(model), batch_invariant=batch_invariant)
+
+
+@pytest.fixture(scope="module")
+def folder(tmp_path_factory):
+    return tmp_path_factory.mktemp("aot")
+
+
+@pytest.fixture(scope="module")
+def fast(folder):
+    notes = []
+    model = aot.compile_step(int4(), notes.append, folder, splits=[2])     # the stack, [0, 2) and [2, 3)
+    if not isinstance(model.__dict__.get("blocks"), aot.Compiled):
+        pytest.skip(f"no compiler here: {notes}")
+    assert len(notes) == 6 and all("compil" in line for line in notes)  # before and after each build
+    assert set(model.blocks.runners) == {(0, 3), (0, 2), (2, 3)}
+    return model
+
+
+PROMPT = torch.tensor([prompt_for(1, 6, V)])
+NEXT = torch.tensor([prompt_for(2, 5, V)])
+
+
+def one_row_steps(model, prompt=PROMPT, nxt=NEXT):
+    """Plain's logits: the prompt, then each of `nxt` alone (T = 1, no mask)."""
+    cache = KVCache.for_model(model, prompt.shape[1] + 10)
+    model(prompt, torch.arange(prompt.shape[1]), cache)
+    P = cache.length
+    return torch.cat([model(nxt[:, t:t + 1], torch.tensor([P + t]), cache)[0] for t in range(nxt.shape[1])])
+
+
+def test_k_rows_get_the_compiled_one_row_steps_bits(fast):
+    # Why: a decoder verifies k rows in one forward and must keep the tokens plain draws one
+    # row at a time, so each row (a chain's, a tree's) must round as the one-row step rounds it;
+    # after 300 cached keys, past SDPA's first block of keys. Caught broken variant: the
+    # attention op sending k rows as one masked SDPA call
+    long = torch.tensor([prompt_for(1, 300, V)])
+    one = one_row_steps(fast, long)                                            # (5, V)
+    cache = KVCache.for_model(fast, 320)
+    fast(long, torch.arange(300), cache)
+    assert torch.equal(fast(NEXT, torch.arange(300, 305), cache)[0], one)     # a chain of 5 rows
+    cache.truncate(300)
+    mask = torch.ones(3, 303, dtype=torch.bool)                                # a tree: rows 1, 2 both follow row 0
+    mask[:, 300:] = torch.tensor([[1, 0, 0], [1, 1, 0], [1, 0, 1]], dtype=torch.bool)
+    tree = fast(torch.tensor([[NEXT[0, 0], NEXT[0, 1], 7]]), torch.tensor([300, 301, 301]), cache, mask=mask)[0]
+    assert torch.equal(tree[:2], one[:2])
+    cache.truncate(300)
+    fast(NEXT[:, :1], torch.tensor([300]), cache)
+    assert torch.equal(tree[2], fast(torch.tensor([[7]]), torch.tensor([301]), cache)[0, 0])
+    assert fast.blocks.eager == 0
+
+
+def test_every_decoder_prints_the_compiled_plains_tokens(fast):
+    # Why: the compiled step is a path of its own: its plain may differ from eager plain's
+    # tokens, but lookahead's trees and windows, lookup's copies and speculative's chains (a
+    # self-draft's too) must print its plain's, greedy and (coupled) seeded, with no forward
+    # run eager. Caught broken variant: a self-draft's halves run eager (the count says so)
+    prompt = prompt_for(3, 8, V) * 2
+    want = run(plain, fast, prompt, 24)
+    assert run(lookahead.decode, fast, prompt, 24, window=3, ngram=4, guesses=3) == want
+    assert run(lookup.decode, fast, prompt, 24, lookup_tokens=6) == want
+    itself = lambda target, p, **k: speculative.decode(target, fast, p, **k)   # its own draft
+    assert run(itself, fast, prompt, 24, num_draft=3) == want
+    early = lambda target, p, **k: speculative.decode(target, SelfDraft(2), p, **k)   # on the split graphs
+    assert run(early, fast, prompt, 24, num_draft=3) == want
+    hot = Sampler(1.0)
+    assert run(itself, fast, prompt, 24, sampler=hot, seed=5, num_draft=3, verify="coupled") \
+        == run(plain, fast, prompt, 24, sampler=hot, seed=5)
+    assert fast.blocks.eager == 0
+
+
+def test_a_forward_that_decides_tokens_and_ran_eager_is_counted(fast):
+    # Why: a forward with frozen rows (--trim-layers), or an early exit with no graphs of its
+    # own, runs eager, and its rows round apart from the compiled plain's: the CLI must not
+    # claim plain's tokens then. An early exit's own forwards only draft, and are not counted.
+    # Caught broken variant: counting nothing (the CLI's exact_path stayed true)
+    blocks = fast.blocks
+    before = blocks.eager
+    run(lookahead.decode, fast, prompt_for(4, 8, V), 8, window=2, ngram=3, guesses=2, trim_layers=1)
+    assert blocks.eager > before
+    before = blocks.eager
+    self_draft = lambda target, p, **k: speculative.decode(target, SelfDraft(1), p, **k)   # no graphs
+    run(self_draft, fast, prompt_for(4, 8, V), 8, num_draft=2)
+    assert blocks.eager > before
+    before = blocks.eager
+    cache = KVCache.for_model(fast, 20)
+    fast(PROMPT, torch.arange(6), cache)
+    fast.blocks(fast.tok_embeddings(NEXT[:, :1]), torch.tensor([6]), cache, stop=1)   # a draft's lower layers
+    assert blocks.eager == before
+
+
+def test_compiled_logits_follow_eager(fast):
+    # Why: compiling is a kernel swap, never a model change: the same logits to bf16 rounding
+    a, b = one_row_steps(fast), one_row_steps(int4())
+    assert (a - b).abs().max() < 0.05 * b.abs().max()
+
+
+def test_a_kept_step_is_loaded_not_rebuilt_and_other_weights_get_their_own(fast, folder):
+    # Why: the build costs minutes on SmolLM2, once per machine and model; its weights are in
+    # it, so another model's (same shapes) must never load it. Caught broken variant: a key
+    # without the weights' hash (seed 1 would have loaded seed 0's step)
+    notes = []
+    again = aot.compile_step(int4(), notes.append, folder)
+    assert notes == [] and isinstance(again.__dict__["blocks"], aot.Compiled)
+    assert torch.equal(one_row_steps(again), one_row_steps(fast))
+    assert aot.key(int4(1)) != aot.key(int4()) and aot.key(int4()) == aot.key(int4())
+
+
+def path_for(model, folder):
+    import hashlib
+    return folder / f"step-{hashlib.sha256(f'0-3|{aot.key(model)}'.encode()).hexdigest()[:16]}.pt2"
+
+
+def test_a_foreign_or_broken_artifact_is_one_notice_and_the_eager_model(fast, folder, tmp_path):
+    # Why: a file at a step's name may be another model's (copied by hand) or cut short (a full
+    # disk); loading it must never answer with other weights, nor end in a traceback
+    built = path_for(int4(), folder)
+    other = int4(1)
+    target = path_for(other, tmp_path)
+    target.write_bytes(built.read_bytes())                                     # another model's step
+    notes, want = [], one_row_steps(int4(1))
+    got = aot.compile_step(other, notes.append, tmp_path)
+    assert len(notes) == 1 and "built for another model" in notes[0] and notes[0].endswith("running eager")
+    assert "blocks" not in got.__dict__ and torch.equal(one_row_steps(got), want)
+    target.write_bytes(built.read_bytes()[:1000])                              # cut short
+    notes = []
+    got = aot.compile_step(int4(1), notes.append, tmp_path)
+    assert len(notes) == 1 and notes[0].startswith("compile: ") and "blocks" not in got.__dict__
+
+
+def test_a_build_that_fails_is_one_notice_leaves_no_file_and_the_kernels_as_they_were(monkeypatch, tmp_path):
+    # Why: compiling is opt-in speed; a compiler that fails must cost a line, not the run, and
+    # leave neither a half artifact nor the graph's attention op in the eager model
+    def broken(program, package_path, inductor_configs):
+        Path(package_path).write_bytes(b"half")
+        raise RuntimeError("C++ compile failed\nmore detail")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", broken)
+    notes, model = [], int4()
+    want = one_row_steps(int4())
+    got = aot.compile_step(model, notes.append, tmp_path)
+    assert len(notes) == 2 and notes[1] == "compile: RuntimeError: C++ compile failed; running eager"
+    assert "blocks" not in got.__dict__ and all(b.attention.attend is row_attention for b in got.layers)
+    assert list(tmp_path.iterdir()) == [] and torch.equal(one_row_steps(got), want)
+
+
+def test_what_it_cannot_compile_is_one_notice(tmp_path):
+    # Why: only the exact 4-bit CPU step is compiled (a graph of another path's kernels would not
+    # keep its rows alike); anything else runs as it was
+    for model in (tiny_llama(0), int4(batch_invariant=False)):
+        notes = []
+        got = aot.compile_step(model, notes.append, tmp_path)
+        assert len(notes) == 1 and notes[0].startswith("compile: ValueError") and "blocks" not in got.__dict__
+
+
+def test_a_step_that_fails_mid_run_says_so_once_and_answers_eager():
+    # Why: a library that fails on a shape it was not built for must not end the run
+    def fails(*args):
+        raise RuntimeError("shape out of bounds")
+    model, notes = int4(), []
+    model.blocks = aot.Compiled(model, {(0, 3): fails}, notes.append)
+    got = one_row_steps(model)
+    assert len(notes) == 1 and "eager from here on" in notes[0]
+    assert torch.equal(got, one_row_steps(int4())) and model.blocks.eager == 5
+
+
+def test_without_a_compiler_one_notice_and_the_eager_answer(tmp_path):
+    # Why: a machine with no C++ compiler must still run --compile, eager; a fresh inductor
+    # cache so that no earlier artifact hides the missing compiler
+    script = (
+        "import json, torch, sys; sys.path[:0] = ['tests', '.']\n"
+        "from test_aot import int4, one_row_steps\n"
+        "from engine import aot\n"
+        "from pathlib import Path\n"
+        "m, notes = int4(), []\n"
+        "want = one_row_steps(m)\n"
+        "m = aot.compile_step(m, notes.append, Path(sys.argv[1]))\n"
+        "print(json.dumps({'notes': notes, 'equal': torch.equal(one_row_steps(m), want)}))\n")
+    env = {"PATH": "/usr/bin:/bin", "CC": "/nonexistent", "CXX": "/nonexistent",
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor"), "HOME": str(tmp_path)}
+    out = subprocess.run([sys.executable, "-c", script, str(tmp_path / "steps")], cwd=ROOT, env=env,
+                         capture_output=True, text=True, timeout=300)
+    assert out.returncode == 0, out.stderr[-2000:]
+    said = json.loads(out.stdout.strip().splitlines()[-1])
+    assert said["equal"] and len(said["notes"]) == 2, said                    # compiling..., then why not
+    assert said["notes"][1].startswith("compile: ") and said["notes"][1].endswith("running eager")
+    assert "Traceback" not in out.stderr and not any((tmp_path / "steps").glob("*.pt2"))

@@ -145,7 +145,9 @@ def compile_step(model: Llama, notify: Callable[[str], None], folder=None, split
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # export's deprecation chatter: the notice says what matters
-            runners = {r: load(model, *r, folder, notify) for r in dict.fromkeys(ranges)}
+            check(model)
+            ident = key(model)
+            runners = {r: load(model, *r, ident, folder, notify) for r in dict.fromkeys(ranges)}
     except Exception as e:  # noqa: BLE001 -- no compiler, a failed build, a bad artifact
         notify(f"compile: {type(e).__name__}: {first_line(e)}; running eager")
         return model
@@ -154,14 +156,19 @@ def compile_step(model: Llama, notify: Callable[[str], None], folder=None, split
     return model
 
 
-def load(model: Llama, start: int, stop: int, folder, notify: Callable[[str], None]) -> Callable:
-    """Layers [start, stop) of `model`, compiled: read back, or built and kept first."""
+def check(model: Llama) -> None:
+    """Only the exact 4-bit CPU step is compiled: another path's graph would not keep its rows alike."""
     w = model.tok_embeddings.weight
     if w.device.type != "cpu" or not isinstance(model.layers[0].feed_forward.w13, Int4Linear):
         raise ValueError("it compiles the 4-bit step on a CPU (--int4) only")
     if model.layers[0].attention.attend is not row_attention:
         raise ValueError("it compiles the exact path only (not with --no-batch-invariant)")
-    k = f"{start}-{stop}|{key(model)}"
+
+
+def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callable[[str], None]) -> Callable:
+    """Layers [start, stop) of `model` (whose key(model) is `ident`), compiled: read back, or
+    built and kept first."""
+    k = f"{start}-{stop}|{ident}"
     folder = cache_home() / "engine" if folder is None else folder
     path = folder / f"step-{hashlib.sha256(k.encode()).hexdigest()[:16]}.pt2"
     if not path.is_file():

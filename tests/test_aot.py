@@ -223,3 +223,33 @@ def test_without_a_compiler_one_notice_and_the_eager_answer(tmp_path):
     assert said["equal"] and len(said["notes"]) == 2, said                    # compiling..., then why not
     assert said["notes"][1].startswith("compile: ") and said["notes"][1].endswith("running eager")
     assert "Traceback" not in out.stderr and not any((tmp_path / "steps").glob("*.pt2"))
+
+
+@pytest.fixture(scope="module")
+def tiny_checkpoint(tmp_path_factory):
+    """test_hostile's tiny converted checkpoint (2 layers, shapes that pack in 4-bit groups)."""
+    import tools.convert
+    from test_hostile import write_gguf
+    d = tmp_path_factory.mktemp("tiny")
+    return tools.convert.convert(write_gguf(d / "tiny.gguf"), d / "ckpt")
+
+
+def test_the_cli_builds_once_then_loads_and_claims_plains_tokens_only_where_nothing_ran_eager(
+        tiny_checkpoint, capsys):
+    # Why: --compile is what a user runs: the first run builds (said on stderr as it goes), later
+    # runs load; every decoder prints the compiled plain's tokens with exact_path true, and a run
+    # with frozen rows (eager) says its tokens may differ. Caught broken variant: the CLI's exact
+    # claim ignoring the eager count
+    from engine.run import main
+    argv = ["--checkpoint", str(tiny_checkpoint), "--int4", "--dtype", "bfloat16", "--compile",
+            "--prompt", "hello world", "--max-new-tokens", "16", "--json"]
+    def cli(*more):
+        assert main(argv + list(more)) == 0
+        out, err = capsys.readouterr()
+        return json.loads(out), err
+    plain_run, err = cli()
+    assert "compiling layers 0-1" in err and "compiled them into" in err and plain_run["exact_path"]
+    look, err = cli("--decoder", "lookahead", "--window", "2", "--ngram", "3", "--guesses", "2")
+    assert "compil" not in err and look["exact_path"] and look["tokens"] == plain_run["tokens"]
+    frozen, _ = cli("--decoder", "lookahead", "--window", "2", "--ngram", "3", "--guesses", "2", "--trim-layers", "1")
+    assert not frozen["exact_path"]

@@ -140,14 +140,15 @@ def compile_step(model: Llama, notify: Callable[[str], None], folder=None, split
     ~/.cache/engine, then loaded), in place; for each L of `splits` also layers [0, L) and
     [L, n), an early exit's two halves (a self-draft, an amateur). On any failure one notice
     through `notify` and the model as it was."""
-    n = model.config.n_layers
+    n, have = model.config.n_layers, model.__dict__.get("blocks")
     ranges = [(0, n)] + [r for L in splits if 0 < L < n for r in ((0, L), (L, n))]
+    runners = dict(have.runners) if isinstance(have, Compiled) else {}   # compiled before: add to them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # export's deprecation chatter: the notice says what matters
             check(model)
             ident = key(model)
-            runners = {r: load(model, *r, ident, folder, notify) for r in dict.fromkeys(ranges)}
+            runners |= {r: load(model, *r, ident, folder, notify) for r in dict.fromkeys(ranges) if r not in runners}
     except Exception as e:  # noqa: BLE001 -- no compiler, a failed build, a bad artifact
         notify(f"compile: {type(e).__name__}: {first_line(e)}; running eager")
         return model
@@ -219,7 +220,8 @@ def key(model: Llama) -> str:
     for name, t in model.layers.state_dict().items():
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    return f"aot 1|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{model_key(model)}|{h.hexdigest()}"
+    eager = model_key(model).removesuffix("|compiled")   # the same whether compiled before or not
+    return f"aot 1|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{eager}|{h.hexdigest()}"
 
 
 def first_line(e: Exception) -> str:

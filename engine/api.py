@@ -7,7 +7,8 @@
         print(text, end="", flush=True)
     print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
 
-`Engine.load(path, int4=True)` is the CLI's `--int4`, exact by default as there (`build`).
+`Engine.load(path, int4=True)` is the CLI's `--int4`, exact by default as there (`build`);
+`compile=True` with it is `--compile` (engine/aot.py: built once per machine, notes on stderr).
 `decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
 `adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced as the
@@ -19,12 +20,14 @@ the CLI's `error:` lines: raised by the call, or a decoder's knob by its first t
 """
 from __future__ import annotations
 
+import sys
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable, Iterator
 
 import torch
 
+from engine.aot import Compiled, compile_step
 from engine.cost import calibrated, draft_price
 from engine.decoders import DECODERS
 from engine.generate import Stats, generate
@@ -89,13 +92,17 @@ class Engine:
 
     @classmethod
     def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             int4: bool = False, packed: bool = True, batch_invariant: bool | None = None) -> Engine:
-        """A checkpoint directory (default: `make weights`' model) loaded as `build` does."""
+             int4: bool = False, packed: bool = True, batch_invariant: bool | None = None,
+             compile: bool = False) -> Engine:
+        """A checkpoint directory (default: `make weights`' model) loaded as `build` does;
+        compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
         if not Path(ckpt).is_dir():
             raise ValueError(f"checkpoint {ckpt} is not a directory")
-        return cls(build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed,
-                         batch_invariant=batch_invariant), Tokenizer.load(ckpt))
+        if compile and not (int4 and batch_invariant is not False):
+            raise ValueError("compile=True compiles the exact 4-bit step: pass int4=True (and not batch_invariant=False)")
+        model = build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed, batch_invariant=batch_invariant)
+        return cls(compile_step(model, say) if compile else model, Tokenizer.load(ckpt))
 
     def ids(self, prompt: str | list[int]) -> list[int]:
         return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
@@ -124,6 +131,9 @@ class Engine:
         if second is not None and (isinstance(second, bool) or not isinstance(second, (int, Llama))):
             raise ValueError(f"second= is a layer count or a Llama, got {second!r}")
         extra = () if second is None else (d.early_exit(second) if isinstance(second, int) else second,)
+        compiled = self.model.__dict__.get("blocks")
+        if isinstance(second, int) and isinstance(compiled, Compiled) and (0, second) not in compiled.runners:
+            compile_step(self.model, say, splits=[second])   # the early exit's halves, compiled too
         if d.adapts(knobs, adaptive):
             knobs = {**knobs, "policy": d.policy(self.model, *extra, prices(self.model, *extra), knobs)}
         steps = d.decode(self.model, *extra, ids, sampler=Sampler(temperature, top_k, top_p),
@@ -158,6 +168,11 @@ def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = "ma
         capped = ", capped at its sliding window" if config.sliding_window else ""
         raise ValueError(f"prompt ({n} tokens) + {flag} ({max_new_tokens}) exceeds the model's "
                          f"context ({config.max_seq_len}{capped})")
+
+
+def say(line: str) -> None:
+    """A note on stderr, as the CLI prints it (compile's progress and fallbacks)."""
+    print(f"note: {line}", file=sys.stderr, flush=True)
 
 
 def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:

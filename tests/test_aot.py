@@ -253,3 +253,21 @@ def test_the_cli_builds_once_then_loads_and_claims_plains_tokens_only_where_noth
     assert "compil" not in err and look["exact_path"] and look["tokens"] == plain_run["tokens"]
     frozen, _ = cli("--decoder", "lookahead", "--window", "2", "--ngram", "3", "--guesses", "2", "--trim-layers", "1")
     assert not frozen["exact_path"]
+
+
+def test_the_api_compiles_as_the_cli_does_and_an_early_exit_gets_its_halves(tiny_checkpoint, capsys):
+    # Why: Engine.load(compile=True) is --compile from Python; a second= of L layers, known only
+    # at the call, must get layers [0, L) and [L, n) compiled before it runs, or its verify rows
+    # run eager and round apart from the compiled plain's. Caught broken variant: tokens() not
+    # compiling the halves (the eager count was not 0)
+    from engine.api import Engine
+    llm = Engine.load(tiny_checkpoint, int4=True, dtype=torch.bfloat16, compile=True)
+    assert isinstance(llm.model.blocks, aot.Compiled)
+    want = list(llm.tokens([5, 6, 7, 5, 6], max_new_tokens=12))
+    got = list(llm.tokens([5, 6, 7, 5, 6], max_new_tokens=12, decoder="speculative", second=1,
+                          adaptive=False, num_draft=2))
+    assert got == want and llm.model.blocks.eager == 0
+    assert {(0, 1), (1, 2)} <= set(llm.model.blocks.runners)
+    with pytest.raises(ValueError, match="int4=True"):
+        Engine.load(tiny_checkpoint, compile=True)
+    assert "compiling layers 0-0" in capsys.readouterr().err

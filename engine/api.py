@@ -99,8 +99,8 @@ class Engine:
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
         if not Path(ckpt).is_dir():
             raise ValueError(f"checkpoint {ckpt} is not a directory")
-        if compile and not (int4 and batch_invariant is not False):
-            raise ValueError("compile=True compiles the exact 4-bit step: pass int4=True (and not batch_invariant=False)")
+        if compile:
+            check_compile(int4, batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
         model = build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed, batch_invariant=batch_invariant)
         return cls(compile_step(model, say) if compile else model, Tokenizer.load(ckpt))
 
@@ -173,6 +173,13 @@ def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = "ma
 def say(line: str) -> None:
     """A note on stderr, as the CLI prints it (compile's progress and fallbacks)."""
     print(f"note: {line}", file=sys.stderr, flush=True)
+
+
+def check_compile(int4: bool, batch_invariant: bool | None, flag: str, four_bit: str, inexact: str) -> None:
+    """The CLI's and the API's one rule for compiling: only the exact 4-bit step is compiled
+    (engine/aot.py), so `flag` needs `four_bit` and refuses `inexact`; else a ValueError."""
+    if not int4 or batch_invariant is False:
+        raise ValueError(f"{flag} compiles the exact 4-bit step: pass {four_bit} (and not {inexact})")
 
 
 def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:

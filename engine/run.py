@@ -30,7 +30,7 @@ from pathlib import Path
 import torch
 
 from engine.aot import compile_step
-from engine.api import build, check_device, check_fits, encode, prices as api_prices
+from engine.api import build, check_compile, check_device, check_fits, encode, prices as api_prices
 from engine.config import load_config
 from engine.cost import load_table
 from engine import lookahead
@@ -224,9 +224,8 @@ def check_flags(args) -> None:
     device(args.device)
     if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
-    if args.compile and not (args.int4 and args.batch_invariant is not False):
-        raise ValueError("--compile compiles the exact 4-bit step: pass --int4 --dtype bfloat16 "
-                         "(and not --no-batch-invariant)")
+    if args.compile:
+        check_compile(args.int4, args.batch_invariant, "--compile", "--int4 --dtype bfloat16", "--no-batch-invariant")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):

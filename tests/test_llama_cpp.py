@@ -153,7 +153,9 @@ def test_long_stderr_line_is_truncated(tmp_path, gguf):
     _, run = reference(fake(tmp_path, "x" * 1000 + "\n", code=1), gguf, 8, detok, threads=1)
     with pytest.raises(ValueError) as e:
         run([1])
-    assert len(str(e.value)) < 300
+    # the binary's line is cut, whatever the length of the path before it (a long TMPDIR)
+    said = str(e.value).partition(": exit 1: ")[2]
+    assert 0 < len(said) <= 200 and set(said) == {"x"}
 
 
 def test_hanging_binary_is_stopped_by_the_timeout(tmp_path, gguf):

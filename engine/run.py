@@ -178,10 +178,7 @@ def models(args, ckpt) -> tuple:
         raise ValueError(why)
     if not spec.startswith("layers:"):
         return (load(spec, args),)
-    L = spec.split(":", 1)[1]
-    if not L.isdigit():
-        raise ValueError(f"{spec!r}: expected layers:L with L an integer")
-    return (d.early_exit(int(L)),)
+    return (d.early_exit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
 
 
 def self_draft(n_layers: int) -> SelfDraft:
@@ -233,8 +230,11 @@ def check_flags(args) -> None:
     if args.batch_invariant and args.no_prepack:
         raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
     for flag in ("checkpoint", "draft", "amateur"):
-        if getattr(args, flag) == "":   # '' is not "the default": it is a path nobody meant
+        spec = getattr(args, flag)
+        if spec == "":   # '' is not "the default": it is a path nobody meant
             raise ValueError(f"--{flag} '' names no checkpoint")
+        if flag != "checkpoint" and spec.startswith("layers:") and not (spec[7:].isascii() and spec[7:].isdigit()):
+            raise ValueError(f"--{flag} {spec!r}: expected layers:L with L an integer")
     t = args.amateur_temperature   # the same rule as Sampler's temperature (sampling.py)
     if not (math.isfinite(t) and t >= 1e-4):
         raise ValueError(f"--amateur-temperature must be a finite number >= 1e-4 (a smaller one "

@@ -53,6 +53,8 @@ def built_once():
     (["--int4", "--prompt", "hi"], "bfloat16"),
     (["--compile", "--prompt", "hi"], "--int4"),
     (["--compile", "--int4", "--dtype", "bfloat16", "--no-batch-invariant", "--prompt", "hi"], "--compile"),
+    (["--decoder", "speculative", "--draft", "layers:x", "--prompt", "hi"], "layers:L"),
+    (["--decoder", "contrastive", "--amateur", "layers:²", "--prompt", "hi"], "layers:L"),
     (["--draft-cost", "0", "--prompt", "hi"], "--draft-cost"),
     (["--draft-cost", "nan", "--prompt", "hi"], "--draft-cost"),
 ])
@@ -68,7 +70,6 @@ def test_bad_input_is_one_line_and_exit_2(argv, words, capsys):
 @pytest.mark.parametrize("argv,words", [
     (["--prompt", "   "], "empty"),
     (["--prompt", "hi", "--max-new-tokens", "9000"], "context"),
-    (["--decoder", "speculative", "--draft", "layers:x", "--prompt", "hi"], "layers:L"),
     (["--decoder", "speculative", "--draft", "layers:99", "--prompt", "hi"], "layers"),
     (["--decoder", "lookahead", "--trim-layers", "31", "--prompt", "hi"], "trim_layers"),
     (["--decoder", "lookahead", "--trim-layers", "-1", "--prompt", "hi"], "trim_layers"),

@@ -7,6 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
+from engine.draft import SelfDraft
 
 
 def test_forward_cost_reports_every_k_for_every_model():
@@ -84,13 +85,15 @@ def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
     import tools.bench as bench
     other = tiny_llama(1, vocab=8)                     # "compiled": another model, other tokens
     monkeypatch.setattr(bench, "build", lambda *a, **k: other)
-    monkeypatch.setattr(bench, "compile_step", lambda model, notify: model)
+    monkeypatch.setattr(bench, "compile_step", lambda model, notify, splits: model)
+    monkeypatch.setitem(bench.CONFIGS, "speculative L=20 adaptive", ("speculative", SelfDraft(1), dict(adaptive=True)))
     configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
-    assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile"}
+    assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile",
+                            "speculative L=20 adaptive --compile"}
     table = bench.compare(tiny_llama(0, vocab=8), {"a": [[1, 2, 3, 1, 2, 3]]}, configs, repeats=1, max_new_tokens=10)
     assert table["plain --compile"]["a"]["same_tokens_as_plain"] == 0.0     # another path
-    assert table["lookahead auto --compile"]["a"]["same_tokens_as_plain"] == 1.0
-    assert table["lookup --compile"]["a"]["same_tokens_as_plain"] == 1.0
+    for name in ("lookahead auto", "lookup", "speculative L=20 adaptive"):
+        assert table[f"{name} --compile"]["a"]["same_tokens_as_plain"] == 1.0
 
 
 def test_a_row_is_compared_with_plain_on_its_own_path():

@@ -233,7 +233,8 @@ def check_flags(args) -> None:
         spec = getattr(args, flag)
         if spec == "":   # '' is not "the default": it is a path nobody meant
             raise ValueError(f"--{flag} '' names no checkpoint")
-        if flag != "checkpoint" and spec.startswith("layers:") and not (spec[7:].isascii() and spec[7:].isdigit()):
+        L = (spec or "").removeprefix("layers:")
+        if flag != "checkpoint" and L != spec and not (L.isascii() and L.isdigit()):
             raise ValueError(f"--{flag} {spec!r}: expected layers:L with L an integer")
     t = args.amateur_temperature   # the same rule as Sampler's temperature (sampling.py)
     if not (math.isfinite(t) and t >= 1e-4):

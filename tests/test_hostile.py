@@ -764,8 +764,9 @@ c.write_checkpoint = write
 sys.exit(c.main(["convert", {str(g)!r}, {str(tmp_path / 'out')!r}]))
 """], cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE)
     assert p.stdout.readline() == b"writing\n"   # the temporary directory exists now
-    # subtle: the kernel may hand SIGTERM to another thread (torch's, numpy's), and then one long
-    # sleep in the main thread runs to its end before Python's handler does (a flake, seen once)
+    # subtle: the kernel may hand SIGTERM to another thread (torch's), and then a long C call in
+    # the main thread (one 30 s sleep) ends before Python's handler runs: the likely cause of a
+    # flake seen once, and why the fake write above sleeps in slices
     p.terminate()
     _, err = p.communicate(timeout=30)
     assert p.returncode == 143 and b"Traceback" not in err and files_under(tmp_path) == ["x.gguf"]

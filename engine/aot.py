@@ -173,6 +173,9 @@ def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callab
     folder = cache_home() / "engine" if folder is None else folder
     path = folder / f"step-{hashlib.sha256(k.encode()).hexdigest()[:16]}.pt2"
     if not path.is_file():
+        # no working compiler: say so now, not after a minute of export and code generation
+        from torch._inductor.cpp_builder import get_cpp_compiler
+        get_cpp_compiler()                          # InvalidCxxCompiler, naming what it tried
         t0 = time.perf_counter()
         notify(f"compiling layers {start}-{stop - 1} of the 4-bit step, once on this machine (minutes)")
         build(model, start, stop, path, k)

@@ -203,8 +203,9 @@ def test_a_step_that_fails_mid_run_says_so_once_and_answers_eager():
 
 
 def test_without_a_compiler_one_notice_and_the_eager_answer(tmp_path):
-    # Why: a machine with no C++ compiler must still run --compile, eager; a fresh inductor
-    # cache so that no earlier artifact hides the missing compiler
+    # Why: a machine with no C++ compiler must still run --compile, eager, told at once (not
+    # after a minute of export); a fresh inductor cache so that no earlier artifact hides the
+    # missing compiler. Caught broken variant: no check before the build (two notices, later)
     script = (
         "import json, torch, sys; sys.path[:0] = ['tests', '.']\n"
         "from test_aot import int4, one_row_steps\n"
@@ -220,8 +221,8 @@ def test_without_a_compiler_one_notice_and_the_eager_answer(tmp_path):
                          capture_output=True, text=True, timeout=300)
     assert out.returncode == 0, out.stderr[-2000:]
     said = json.loads(out.stdout.strip().splitlines()[-1])
-    assert said["equal"] and len(said["notes"]) == 2, said                    # compiling..., then why not
-    assert said["notes"][1].startswith("compile: ") and said["notes"][1].endswith("running eager")
+    assert said["equal"] and len(said["notes"]) == 1, said                    # why not, before any work
+    assert said["notes"][0].startswith("compile: InvalidCxxCompiler") and said["notes"][0].endswith("running eager")
     assert "Traceback" not in out.stderr and not any((tmp_path / "steps").glob("*.pt2"))
 
 

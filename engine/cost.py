@@ -2,6 +2,7 @@
 
     cost(k rows) / cost(1 row)       a k-row forward of this model: `calibrated(model)`
     t(draft row) / t(target row)     a draft token: `draft_price(target, draft)`
+    rows round alike?                the CLI's exact-path claim: `probed(model)`
 
 Each is measured on first use (a few seconds), kept in ~/.cache/engine/ and read back by every
 later run, so the prices fit the machine yet never move between runs: the same command, seed
@@ -26,6 +27,7 @@ from typing import Callable
 
 import torch
 
+from engine.invariant import rows_round_alike
 from engine.kvcache import KVCache
 from engine.llama import Llama
 
@@ -122,6 +124,16 @@ def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.01 <= c <= 100:
         raise ValueError(f"{path}: draft_cost must be a number in [0.01, 100], got {c!r}")
     return float(c)
+
+
+def probed(model: Llama, folder: Path | None = None) -> bool:
+    """invariant.rows_round_alike(model), probed once per machine and model key and kept like
+    the table: the probe runs 67 one-row head calls (~0.7 s a run on a 2-vCPU EPYC), and its
+    answer is the kernels', so it cannot change between runs. Probed anew where nothing can
+    be kept. oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA) picks kernels too, so it is in the key."""
+    key = f"rows_round_alike|{model_key(model)}|{os.environ.get('ONEDNN_MAX_CPU_ISA', '')}"
+    found = kept(key, lambda: {"rows_round_alike": rows_round_alike(model)}, folder, None)
+    return rows_round_alike(model) if found is None else found[0].get("rows_round_alike") is True
 
 
 def measure_draft(target: Llama, draft: Llama, context: int = 100, repeats: int = 5) -> float:

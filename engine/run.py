@@ -32,12 +32,12 @@ import torch
 from engine.aot import compile_step
 from engine.api import build, check_compile, check_device, check_fits, encode, prices as api_prices
 from engine.config import load_config
-from engine.cost import load_table
+from engine.cost import load_table, probed
 from engine import lookahead
 from engine.decoders import DECODERS, Decoder
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, cut, generate
-from engine.invariant import row_attention, rows_round_alike
+from engine.invariant import row_attention
 from engine.kvcache import ATEN_CAPABILITY
 from engine.policy import Prices, pick_draft
 from engine.sampling import Random, Sampler
@@ -342,9 +342,9 @@ def run(args) -> dict:
     # the call's shape; in bf16, and on CUDA, the matmuls too), so a decoder that verifies k rows
     # may leave plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4
     # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
-    # row-invariant (engine/invariant.py), probed on this machine
+    # row-invariant (engine/invariant.py), probed once on this machine (cost.probed)
     # and compiled (--compile), no forward that decides tokens may have run eager after the prompt
-    exact = model.layers[0].attention.attend is row_attention and rows_round_alike(model) \
+    exact = model.layers[0].attention.attend is row_attention and probed(model) \
         and not getattr(model.blocks, "eager", 0)
     held_to, law_of = promise(d, given, args.temperature)
     return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": held_to, "law_of": law_of,

@@ -442,3 +442,17 @@ def test_a_home_that_cannot_keep_the_table_prices_by_constants_and_says_so(tmp_p
     assert main(["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]) == 0
     notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note: ")]
     assert len(notes) == 1 and "cannot keep" in notes[0] and "fixed constants" in notes[0]
+
+
+@real
+def test_the_exact_claim_is_probed_once_per_machine_and_read_back(tmp_path, monkeypatch, capsys):
+    # Why: exact_path rests on invariant.rows_round_alike, ~0.7 s of one-row head calls a run;
+    # the CLI keeps its answer beside the prices (cost.probed) and later runs read it back.
+    # Caught broken variant: run() calling the probe itself (no call was kept)
+    import engine.cost
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
+    probe, calls = engine.cost.rows_round_alike, []
+    monkeypatch.setattr(engine.cost, "rows_round_alike", lambda m: calls.append(m) or probe(m))
+    argv = ["--prompt", "hi", "--max-new-tokens", "2"] + INT4_EXACT
+    first, again = run_json(argv, capsys), run_json(argv, capsys)
+    assert len(calls) == 1 and first["exact_path"] == again["exact_path"]

@@ -194,3 +194,26 @@ def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_befor
     # and the key a table is kept under holds it
     monkeypatch.setattr(cost, "device_name", lambda device: "the device's name")
     assert "the device's name" in cost.model_key(tiny_llama(0))
+
+
+def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_kept(tmp_path, monkeypatch):
+    # Why: the CLI's exact claim rests on invariant.rows_round_alike, 67 one-row head calls
+    # (~0.7 s a run on the real model); its answer is the kernels', so it is kept per machine
+    # and model key like the prices. Another dtype, or oneDNN capped to another ISA, picks other
+    # kernels and must be probed anew. Caught broken variants: a key without the ISA cap (the
+    # second dispatch read the first's answer); a kept answer read as truthy, not as True
+    calls = []
+    monkeypatch.setattr(cost, "rows_round_alike", lambda m: calls.append(m) or len(calls) == 1)
+    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    model = tiny_llama(0)
+    assert cost.probed(model, tmp_path) and cost.probed(model, tmp_path) and len(calls) == 1
+    assert not cost.probed(tiny_llama(0).float(), tmp_path) and len(calls) == 2   # another dtype
+    monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
+    assert not cost.probed(model, tmp_path) and len(calls) == 3                   # another ISA cap
+    assert not cost.probed(model, tmp_path) and len(calls) == 3                   # kept as False
+    path = max(tmp_path.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    path.write_text('{"rows_round_alike": "yes"}')                               # only true is true
+    assert not cost.probed(model, tmp_path)
+    (tmp_path / "file").write_text("")                                          # nothing can be kept
+    assert not cost.probed(model, tmp_path / "file") and not cost.probed(model, tmp_path / "file")
+    assert len(calls) == 5

@@ -41,8 +41,11 @@ def int4(seed: int = 0, batch_invariant: bool = True):
 
 
 @pytest.fixture(scope="module")
-def folder(tmp_path_factory):
-    return tmp_path_factory.mktemp("aot")
+def folder():
+    """Where the CLI and the API keep steps (this session's private cache: conftest.py), so
+    they load what `fast` built."""
+    from engine.cost import cache_home
+    return cache_home() / "engine"
 
 
 @pytest.fixture(scope="module")
@@ -256,19 +259,24 @@ def test_the_cli_builds_once_then_loads_and_claims_plains_tokens_only_where_noth
     assert not frozen["exact_path"]
 
 
-def test_the_api_compiles_as_the_cli_does_and_an_early_exit_gets_its_halves(tiny_checkpoint, capsys):
+def test_the_api_compiles_as_the_cli_does_and_an_early_exit_gets_its_halves(fast, tiny_checkpoint):
     # Why: Engine.load(compile=True) is --compile from Python; a second= of L layers, known only
     # at the call, must get layers [0, L) and [L, n) compiled before it runs, or its verify rows
     # run eager and round apart from the compiled plain's. Caught broken variant: tokens() not
-    # compiling the halves (the eager count was not 0)
+    # compiling the halves (the eager count was not 0). The halves are `fast`'s, kept in the
+    # cache the API reads: loaded here, not built again
     from engine.api import Engine
-    llm = Engine.load(tiny_checkpoint, int4=True, dtype=torch.bfloat16, compile=True)
-    assert isinstance(llm.model.blocks, aot.Compiled)
-    want = list(llm.tokens([5, 6, 7, 5, 6], max_new_tokens=12))
-    got = list(llm.tokens([5, 6, 7, 5, 6], max_new_tokens=12, decoder="speculative", second=1,
-                          adaptive=False, num_draft=2))
-    assert got == want and llm.model.blocks.eager == 0
-    assert {(0, 1), (1, 2)} <= set(llm.model.blocks.runners)
+    from engine.tokenizer import Tokenizer
+    assert isinstance(Engine.load(tiny_checkpoint, int4=True, dtype=torch.bfloat16, compile=True).model.blocks,
+                      aot.Compiled)
     with pytest.raises(ValueError, match="int4=True"):
         Engine.load(tiny_checkpoint, compile=True)
-    assert "compiling layers 0-0" in capsys.readouterr().err
+    notes = []
+    model = aot.compile_step(int4(), notes.append)              # the whole stack only, loaded
+    assert notes == [] and set(model.blocks.runners) == {(0, 3)}
+    llm = Engine(model, Tokenizer.load(tiny_checkpoint))
+    prompt = prompt_for(5, 6, V)
+    want = list(llm.tokens(prompt, max_new_tokens=12))
+    got = list(llm.tokens(prompt, max_new_tokens=12, decoder="speculative", second=2, adaptive=False,
+                          num_draft=2))
+    assert got == want and model.blocks.eager == 0 and set(model.blocks.runners) == {(0, 3), (0, 2), (2, 3)}

@@ -120,8 +120,8 @@ def test_int4_commands_print_the_same_tokens_every_run(decoder, capsys):
     # the same tokens every time, adaptive choices and sampling included.
     argv = ["--prompt", "Write a short story about a robot who learns to paint.",
             "--max-new-tokens", "24", "--int4", "--dtype", "bfloat16", "--seed", "3"] + decoder
-    runs = [run_json(argv, capsys)["tokens"] for _ in range(3)]
-    assert runs[0] == runs[1] == runs[2] and len(runs[0]) == 24
+    runs = [run_json(argv, capsys)["tokens"] for _ in range(2)]
+    assert runs[0] == runs[1] and len(runs[0]) == 24
 
 
 PROMPT = "Write a Python function that reverses a string."

@@ -212,7 +212,9 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim)
+        # subtle: the weight is given, drawn as nn.Embedding draws it (N(0, 1)): its own init's
+        # normal_ on the meta device, where weights.load_model builds, imports torch._dynamo (~2 s a run)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.randn(cfg.vocab_size, cfg.dim))
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if not cfg.tie_embeddings:

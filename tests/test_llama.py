@@ -1,5 +1,9 @@
 """The model's contract: caching, kept rows, trimmed mask rows and frozen layers change
 nothing a caller reads. Every decoder's exactness rests on these properties."""
+import subprocess
+import sys
+from pathlib import Path
+
 import pytest
 import torch
 import torch.nn.functional as F
@@ -233,3 +237,22 @@ def test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device(mo
     model(torch.tensor([[1, 2, 3]], device=device), torch.arange(3, device=device), KVCache.for_model(model, 8))
     assert entered == [device.type]
     assert seen == ["in"] + ["attend"] * len(model.layers) + ["out"]
+
+
+def test_building_on_meta_imports_no_compiler_and_a_cpu_model_draws_nn_embeddings_init():
+    # Why: weights.load_model builds the model on the meta device, then assigns the checkpoint's
+    # tensors; nn.Embedding's own init (normal_) there imports torch._dynamo, ~2 s of every CLI
+    # run for nothing. The weight is given instead, drawn as nn.Embedding draws it, so a model
+    # built on the CPU (the tests' random ones) keeps its bits. Caught broken variant: the plain
+    # nn.Embedding(V, C) (torch._dynamo was imported)
+    script = ("import sys, torch\nfrom engine.llama import Llama, LlamaConfig\n"
+              "cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, vocab_size=16)\n"
+              "with torch.device('meta'):\n    Llama(cfg)\nprint('torch._dynamo' in sys.modules)")
+    out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
+                         cwd=Path(__file__).resolve().parents[1])
+    assert out.stdout.strip() == "False", out.stderr[-1000:]
+    cfg = engine.llama.LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, vocab_size=16)
+    torch.manual_seed(3)
+    ours = engine.llama.Llama(cfg).tok_embeddings.weight
+    torch.manual_seed(3)
+    assert torch.equal(ours, torch.nn.Embedding(16, 32).weight)

@@ -212,9 +212,11 @@ class Llama(nn.Module):
     def __init__(self, cfg: LlamaConfig):
         super().__init__()
         self.config = cfg
-        # subtle: the weight is given, drawn as nn.Embedding draws it (N(0, 1)): its own init's
-        # normal_ on the meta device, where weights.load_model builds, imports torch._dynamo (~2 s a run)
-        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=torch.randn(cfg.vocab_size, cfg.dim))
+        # subtle: nn.Embedding's own init (normal_) on the meta device, where weights.load_model
+        # builds, imports torch._dynamo and sympy (~2.5 s a run); so the weight is given, drawn
+        # as nn.Embedding draws it everywhere else
+        w = torch.empty(cfg.vocab_size, cfg.dim)
+        self.tok_embeddings = nn.Embedding(cfg.vocab_size, cfg.dim, _weight=w if w.is_meta else w.normal_())
         self.layers = nn.ModuleList(Block(cfg) for _ in range(cfg.n_layers))
         self.norm = RMSNorm(cfg.dim, cfg.norm_eps)
         if not cfg.tie_embeddings:

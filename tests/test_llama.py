@@ -241,16 +241,16 @@ def test_every_layer_attends_inside_the_kernel_choice_for_the_forwards_device(mo
 
 def test_building_on_meta_imports_no_compiler_and_a_cpu_model_draws_nn_embeddings_init():
     # Why: weights.load_model builds the model on the meta device, then assigns the checkpoint's
-    # tensors; nn.Embedding's own init (normal_) there imports torch._dynamo, ~2 s of every CLI
-    # run for nothing. The weight is given instead, drawn as nn.Embedding draws it, so a model
-    # built on the CPU (the tests' random ones) keeps its bits. Caught broken variant: the plain
-    # nn.Embedding(V, C) (torch._dynamo was imported)
+    # tensors; nn.Embedding's own init (normal_) there imports torch._dynamo and sympy, ~2.5 s of
+    # every CLI run for nothing. The weight is given instead, drawn as nn.Embedding draws it, so
+    # a model built on the CPU (the tests' random ones) keeps its bits. Caught broken variants:
+    # the plain nn.Embedding(V, C) (torch._dynamo imported); torch.randn on meta (sympy imported)
     script = ("import sys, torch\nfrom engine.llama import Llama, LlamaConfig\n"
               "cfg = LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, vocab_size=16)\n"
-              "with torch.device('meta'):\n    Llama(cfg)\nprint('torch._dynamo' in sys.modules)")
+              "with torch.device('meta'):\n    Llama(cfg)\nprint(sorted({'torch._dynamo', 'sympy'} & set(sys.modules)))")
     out = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True, timeout=120,
                          cwd=Path(__file__).resolve().parents[1])
-    assert out.stdout.strip() == "False", out.stderr[-1000:]
+    assert out.stdout.strip() == "[]", out.stderr[-1000:]
     cfg = engine.llama.LlamaConfig(dim=32, n_layers=1, n_heads=4, n_kv_heads=2, hidden_dim=64, vocab_size=16)
     torch.manual_seed(3)
     ours = engine.llama.Llama(cfg).tok_embeddings.weight

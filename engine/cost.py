@@ -32,6 +32,8 @@ from engine.kvcache import KVCache
 from engine.llama import Llama
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
+# variables that choose kernels or threads (tools/machine.py reports them with every figure)
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
 
 
 def load_table(path: str | Path) -> dict[int, float]:
@@ -130,10 +132,14 @@ def probed(model: Llama, folder: Path | None = None) -> bool:
     """invariant.rows_round_alike(model), probed once per machine and model key and kept like
     the table: the probe runs 67 one-row head calls (~0.7 s a run on a 2-vCPU EPYC), and its
     answer is the kernels', so it cannot change between runs. Probed anew where nothing can
-    be kept. oneDNN's ISA cap (ONEDNN_MAX_CPU_ISA) picks kernels too, so it is in the key."""
-    key = f"rows_round_alike|{model_key(model)}|{os.environ.get('ONEDNN_MAX_CPU_ISA', '')}"
+    be kept. A VM may hide ISA features (AMX, AVX-512) under one model name, and variables cap
+    oneDNN's and MKL's kernels, so the CPU's flags and those variables are in the key too."""
+    env = [os.environ.get(k, "") for k in KERNEL_ENV]
+    key = f"rows_round_alike|{model_key(model)}|{cpuinfo('flags')}|{env}"
     found = kept(key, lambda: {"rows_round_alike": rows_round_alike(model)}, folder, None)
-    return rows_round_alike(model) if found is None else found[0].get("rows_round_alike") is True
+    if found is None:
+        return rows_round_alike(model)
+    return isinstance(found[0], dict) and found[0].get("rows_round_alike") is True
 
 
 def measure_draft(target: Llama, draft: Llama, context: int = 100, repeats: int = 5) -> float:
@@ -218,8 +224,13 @@ def cache_home() -> Path:
 
 
 def cpu_name() -> str:
+    return cpuinfo("model name") or platform.processor() or platform.machine()
+
+
+def cpuinfo(field: str) -> str:
+    """A field of /proc/cpuinfo's first CPU ("model name", "flags"); '' where there is none."""
     with contextlib.suppress(OSError):
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("model name"):
-                return line.split(":", 1)[1].strip()
-    return platform.processor() or platform.machine()
+            if line.partition(":")[0].strip() == field:
+                return line.partition(":")[2].strip()
+    return ""

@@ -200,8 +200,9 @@ def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_ke
     # Why: the CLI's exact claim rests on invariant.rows_round_alike, 67 one-row head calls
     # (~0.7 s a run on the real model); its answer is the kernels', so it is kept per machine
     # and model key like the prices. Another dtype, or oneDNN capped to another ISA, picks other
-    # kernels and must be probed anew. Caught broken variants: a key without the ISA cap (the
-    # second dispatch read the first's answer); a kept answer read as truthy, not as True
+    # kernels and must be probed anew, as must a CPU whose flags differ under the same name (a VM
+    # that hides AMX). Caught broken variants: a key without the ISA cap or without the flags
+    # (a second dispatch read the first's answer); a kept answer read as truthy, not as True
     calls = []
     monkeypatch.setattr(cost, "rows_round_alike", lambda m: calls.append(m) or len(calls) == 1)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
@@ -211,9 +212,13 @@ def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_ke
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not cost.probed(model, tmp_path) and len(calls) == 3                   # another ISA cap
     assert not cost.probed(model, tmp_path) and len(calls) == 3                   # kept as False
+    real = cost.cpuinfo                                                        # the same name,
+    monkeypatch.setattr(cost, "cpuinfo", lambda f: "fpu avx2" if f == "flags" else real(f))   # fewer flags
+    assert not cost.probed(model, tmp_path) and len(calls) == 4
     path = max(tmp_path.iterdir(), key=lambda p: p.stat().st_mtime_ns)
-    path.write_text('{"rows_round_alike": "yes"}')                               # only true is true
-    assert not cost.probed(model, tmp_path)
+    for kept in ('{"rows_round_alike": "yes"}', '[true]'):                       # only true is true
+        path.write_text(kept)
+        assert not cost.probed(model, tmp_path)
     (tmp_path / "file").write_text("")                                          # nothing can be kept
     assert not cost.probed(model, tmp_path / "file") and not cost.probed(model, tmp_path / "file")
-    assert len(calls) == 5
+    assert len(calls) == 6

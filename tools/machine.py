@@ -4,27 +4,18 @@ it, because a speed (or an int4 answer) is true of one machine."""
 from __future__ import annotations
 
 import os
-from pathlib import Path
 
 import torch
 
-from engine.cost import cpu_name
+from engine.cost import KERNEL_ENV, cpu_name, cpuinfo
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
-# variables that choose kernels or threads: a figure taken under `make test`'s second dispatch
-# (or OMP_NUM_THREADS) must say so, or it reads as this CPU's own
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+# KERNEL_ENV: a figure taken under `make test`'s second dispatch (or OMP_NUM_THREADS) must say
+# so, or it reads as this CPU's own
 
 
 def machine(device: str = "cpu") -> dict:
-    flags = set()
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("flags"):
-                flags = set(line.split(":", 1)[1].split())
-                break
-    except OSError:                                   # not Linux: no flags to report
-        pass
+    flags = set(cpuinfo("flags").split())             # none where it is not Linux
     info = {"cpu": cpu_name(), "isa": [f for f in FLAGS if f in flags], "cores": os.cpu_count(),
             "threads": torch.get_num_threads(), "torch": torch.__version__,
             "dispatch": torch.backends.cpu.get_cpu_capability(),

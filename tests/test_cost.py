@@ -202,7 +202,8 @@ def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_ke
     # and model key like the prices. Another dtype, or oneDNN capped to another ISA, picks other
     # kernels and must be probed anew, as must a CPU whose flags differ under the same name (a VM
     # that hides AMX). Caught broken variants: a key without the ISA cap or without the flags
-    # (a second dispatch read the first's answer); a kept answer read as truthy, not as True
+    # (a second dispatch read the first's answer); a kept answer read as truthy, not as True, or
+    # read without checking that it is an object (a traceback)
     calls = []
     monkeypatch.setattr(cost, "rows_round_alike", lambda m: calls.append(m) or len(calls) == 1)
     monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)

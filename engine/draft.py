@@ -110,6 +110,8 @@ class EarlyExit:
 
     @torch.inference_mode()
     def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
+        if not self.hidden:                           # nothing drafted (K = 0): plain's own forward
+            return self.target(tokens, positions, self.cache, keep=torch.arange(-rows, 0))[0]  # (rows, V)
         fed = sum(x.shape[1] for x in self.hidden)
         if fed < tokens.shape[1]:                     # the last draft has no layer-L state yet
             self._lower(tokens[:, fed:], positions[fed:])

@@ -114,6 +114,15 @@ def test_k_zero_steps_are_plain_sampling_with_the_same_seed(kind, seed, P, verif
     assert same_as_plain(kind, seed, 0, P, 10, sampler=Sampler(temperature), verify=verify)
 
 
+def test_a_self_drafts_k_zero_step_is_the_targets_own_forward(monkeypatch):
+    # Why: a K = 0 step of a self-draft drafts nothing, so it is plain's step: one forward of the
+    # whole stack (under --compile, plain's own graph rather than the two halves'), with plain's
+    # tokens. Caught broken variant: sending it through the early exit's halves (lower ran)
+    monkeypatch.setattr("engine.draft.lower", lambda *a: pytest.fail("a K = 0 step ran the early exit"))
+    assert same_as_plain("self", 3, 0, 5, 12)                   # SelfDraft(2) of 2 layers, then 1
+    assert same_as_plain("self", 4, 0, 5, 12)
+
+
 def test_k_zero_test_catches_a_plain_step_drawn_with_another_key(monkeypatch):
     # Why: a K = 0 step drawing with the draft's key would still sample the target's law, but
     # not plain's tokens for the seed; the test above must see it (plain keeps the right key).

@@ -27,13 +27,15 @@ from typing import Callable
 
 import torch
 
-from engine.invariant import rows_round_alike
+from engine import invariant, llama, packed
 from engine.kvcache import KVCache
 from engine.llama import Llama
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
-# variables that choose kernels or threads (tools/machine.py reports them with every figure)
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "ONEDNN_MAX_CPU_ISA", "MKL_ENABLE_INSTRUCTIONS", "OMP_NUM_THREADS")
+# variables that choose kernels or threads: torch's dispatch, OpenMP's threads, and oneDNN's
+# (under either of its prefixes) and MKL's (tools/machine.py reports them with every figure)
+KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
+KERNEL_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "MKL_", "TORCH_MKLDNN")
 
 
 def load_table(path: str | Path) -> dict[int, float]:
@@ -131,15 +133,25 @@ def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
 def probed(model: Llama, folder: Path | None = None) -> bool:
     """invariant.rows_round_alike(model), probed once per machine and model key and kept like
     the table: the probe runs 67 one-row head calls (~0.7 s a run on a 2-vCPU EPYC), and its
-    answer is the kernels', so it cannot change between runs. Probed anew where nothing can
-    be kept. A VM may hide ISA features (AMX, AVX-512) under one model name, and variables cap
-    oneDNN's and MKL's kernels, so the CPU's flags and those variables are in the key too."""
-    env = [os.environ.get(k, "") for k in KERNEL_ENV]
-    key = f"rows_round_alike|{model_key(model)}|{cpuinfo('flags')}|{env}"
-    found = kept(key, lambda: {"rows_round_alike": rows_round_alike(model)}, folder, None)
+    answer is the kernels', so it cannot change between runs. Probed anew where nothing can be
+    kept or the kept file is unreadable. In the key beside model_key: the CPU's flags (a VM may
+    hide AMX or AVX-512 under one model name), the variables that choose kernels, and the code
+    of the probe and of the kernels it probes (an older engine's answer is not this one's)."""
+    code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (invariant, packed, llama)))
+    flags = cpuinfo("flags") or cpuinfo("Features")                   # x86 | ARM
+    key = f"rows_round_alike|{model_key(model)}|{flags}|{kernel_env()}|{code.hexdigest()[:16]}"
+    try:
+        found = kept(key, lambda: {"rows_round_alike": invariant.rows_round_alike(model)}, folder, None)
+    except ValueError:                                                 # a kept file cut short, say
+        found = None
     if found is None:
-        return rows_round_alike(model)
+        return invariant.rows_round_alike(model)
     return isinstance(found[0], dict) and found[0].get("rows_round_alike") is True
+
+
+def kernel_env() -> dict[str, str]:
+    """The variables set here that choose kernels or threads (KERNEL_ENV and its prefixes)."""
+    return {k: v for k, v in sorted(os.environ.items()) if k in KERNEL_ENV or k.startswith(KERNEL_ENV_PREFIXES)}
 
 
 def measure_draft(target: Llama, draft: Llama, context: int = 100, repeats: int = 5) -> float:

@@ -236,8 +236,9 @@ def test_a_figure_taken_under_another_kernel_dispatch_says_so(monkeypatch):
     # why: `make test`'s second dispatch (ATEN_CPU_CAPABILITY=avx2 and its two companions) or
     # OMP_NUM_THREADS change the kernels and threads a figure was measured with; the machine
     # line every table carries names them, and names nothing when none is set
-    from tools.machine import KERNEL_ENV, describe, machine
-    for k in KERNEL_ENV:
+    from engine.cost import kernel_env
+    from tools.machine import describe, machine
+    for k in kernel_env():
         monkeypatch.delenv(k, raising=False)
     assert machine()["env"] == {} and "=" not in describe(machine())
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")

@@ -449,10 +449,10 @@ def test_the_exact_claim_is_probed_once_per_machine_and_read_back(tmp_path, monk
     # Why: exact_path rests on invariant.rows_round_alike, ~0.7 s of one-row head calls a run;
     # the CLI keeps its answer beside the prices (cost.probed) and later runs read it back.
     # Caught broken variant: run() calling the probe itself (no call was kept)
-    import engine.cost
+    import engine.invariant
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    probe, calls = engine.cost.rows_round_alike, []
-    monkeypatch.setattr(engine.cost, "rows_round_alike", lambda m: calls.append(m) or probe(m))
+    probe, said = engine.invariant.rows_round_alike, []
+    monkeypatch.setattr(engine.invariant, "rows_round_alike", lambda m: said.append(probe(m)) or said[-1])
     argv = ["--prompt", "hi", "--max-new-tokens", "2"] + INT4_EXACT
     first, again = run_json(argv, capsys), run_json(argv, capsys)
-    assert len(calls) == 1 and first["exact_path"] == again["exact_path"]
+    assert len(said) == 1 and first["exact_path"] == again["exact_path"] == said[0]   # its answer, kept

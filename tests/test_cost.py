@@ -10,6 +10,7 @@ import itertools
 import json
 import random
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -199,27 +200,50 @@ def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_befor
 def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_kept(tmp_path, monkeypatch):
     # Why: the CLI's exact claim rests on invariant.rows_round_alike, 67 one-row head calls
     # (~0.7 s a run on the real model); its answer is the kernels', so it is kept per machine
-    # and model key like the prices. Another dtype, or oneDNN capped to another ISA, picks other
-    # kernels and must be probed anew, as must a CPU whose flags differ under the same name (a VM
-    # that hides AMX). Caught broken variants: a key without the ISA cap or without the flags
-    # (a second dispatch read the first's answer); a kept answer read as truthy, not as True, or
-    # read without checking that it is an object (a traceback)
+    # and model key like the prices. Another dtype, a variable that caps oneDNN (either prefix),
+    # or a CPU whose flags differ under the same name (a VM that hides AMX) picks other kernels
+    # and must be probed anew; a kept file that is unreadable is probed anew, not an error.
+    # Caught broken variants: a key without the variables, or without the flags (a second
+    # dispatch read the first's answer); a kept answer read as truthy, not as True, or read
+    # without checking that it is an object (a traceback); an unreadable file raised
+    from engine import invariant
     calls = []
-    monkeypatch.setattr(cost, "rows_round_alike", lambda m: calls.append(m) or len(calls) == 1)
-    monkeypatch.delenv("ONEDNN_MAX_CPU_ISA", raising=False)
+    monkeypatch.setattr(invariant, "rows_round_alike", lambda m: calls.append(m) or len(calls) == 1)
+    for k in cost.kernel_env():
+        monkeypatch.delenv(k)
     model = tiny_llama(0)
     assert cost.probed(model, tmp_path) and cost.probed(model, tmp_path) and len(calls) == 1
     assert not cost.probed(tiny_llama(0).float(), tmp_path) and len(calls) == 2   # another dtype
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert not cost.probed(model, tmp_path) and len(calls) == 3                   # another ISA cap
     assert not cost.probed(model, tmp_path) and len(calls) == 3                   # kept as False
-    real = cost.cpuinfo                                                        # the same name,
-    monkeypatch.setattr(cost, "cpuinfo", lambda f: "fpu avx2" if f == "flags" else real(f))   # fewer flags
+    monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")                               # oneDNN's older prefix
     assert not cost.probed(model, tmp_path) and len(calls) == 4
-    path = max(tmp_path.iterdir(), key=lambda p: p.stat().st_mtime_ns)
+    real, before = cost.cpuinfo, set(tmp_path.iterdir())                      # the same name,
+    monkeypatch.setattr(cost, "cpuinfo", lambda f: "fpu avx2" if f == "flags" else real(f))   # fewer flags
+    assert not cost.probed(model, tmp_path) and len(calls) == 5
+    [path] = set(tmp_path.iterdir()) - before                                 # that answer's file
     for kept in ('{"rows_round_alike": "yes"}', '[true]'):                       # only true is true
         path.write_text(kept)
-        assert not cost.probed(model, tmp_path)
+        assert not cost.probed(model, tmp_path) and len(calls) == 5
+    path.write_text('{"rows_round_al')                                          # cut short: probed anew
+    assert not cost.probed(model, tmp_path) and len(calls) == 6
     (tmp_path / "file").write_text("")                                          # nothing can be kept
     assert not cost.probed(model, tmp_path / "file") and not cost.probed(model, tmp_path / "file")
-    assert len(calls) == 6
+    assert len(calls) == 8
+
+
+def test_the_probes_key_holds_the_code_it_probes(tmp_path, monkeypatch):
+    # Why: an answer kept by an older engine (another row_attention, another PackedLinear) is not
+    # this one's; the key holds a hash of invariant.py, packed.py and llama.py. Caught broken
+    # variant: a key without it (the edited code read the old answer)
+    from engine import invariant, packed
+    calls = []
+    monkeypatch.setattr(invariant, "rows_round_alike", lambda m: calls.append(m) or True)
+    model = tiny_llama(0)
+    cost.probed(model, tmp_path)
+    edited = tmp_path / "packed.py"
+    edited.write_bytes(Path(packed.__file__).read_bytes() + b"# edited")
+    monkeypatch.setattr(packed, "__file__", str(edited))
+    cost.probed(model, tmp_path)
+    assert len(calls) == 2

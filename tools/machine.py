@@ -7,10 +7,10 @@ import os
 
 import torch
 
-from engine.cost import KERNEL_ENV, cpu_name, cpuinfo
+from engine.cost import cpu_name, cpuinfo, kernel_env
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
-# KERNEL_ENV: a figure taken under `make test`'s second dispatch (or OMP_NUM_THREADS) must say
+# kernel_env(): a figure taken under `make test`'s second dispatch (or OMP_NUM_THREADS) must say
 # so, or it reads as this CPU's own
 
 
@@ -21,7 +21,7 @@ def machine(device: str = "cpu") -> dict:
             "dispatch": torch.backends.cpu.get_cpu_capability(),
             "onednn_bf16": bool(torch.backends.mkldnn.is_available()
                                 and torch.ops.mkldnn._is_mkldnn_bf16_supported()),
-            "device": device, "env": {k: os.environ[k] for k in KERNEL_ENV if k in os.environ}}
+            "device": device, "env": kernel_env()}
     if str(device).startswith("cuda") and torch.cuda.is_available():
         info["gpu"] = torch.cuda.get_device_name(torch.device(device))
     return info

@@ -15,6 +15,7 @@ by matmul kind and CPU dispatch (policy.SLOPE, policy.DRAFT_COST), alike on ever
 from __future__ import annotations
 
 import contextlib
+import functools
 import hashlib
 import json
 import math
@@ -239,6 +240,7 @@ def cpu_name() -> str:
     return cpuinfo("model name") or platform.processor() or platform.machine()
 
 
+@functools.lru_cache(maxsize=None)   # fixed for the process; model_key asks on every price and probe
 def cpuinfo(field: str) -> str:
     """A field of /proc/cpuinfo's first CPU ("model name", "flags"); '' where there is none."""
     with contextlib.suppress(OSError):

@@ -239,11 +239,13 @@ def tiny_checkpoint(tmp_path_factory):
 
 
 def test_the_cli_builds_once_then_loads_and_claims_plains_tokens_only_where_nothing_ran_eager(
-        tiny_checkpoint, capsys):
+        tiny_checkpoint, folder, capsys):
     # Why: --compile is what a user runs: the first run builds (said on stderr as it goes), later
     # runs load; every decoder prints the compiled plain's tokens with exact_path true, and a run
     # with frozen rows (eager) says its tokens may differ. Caught broken variant: the CLI's exact
-    # claim ignoring the eager count
+    # claim ignoring the eager count. subtle: the API test below loads this checkpoint's stack
+    # from the same cache; run before this one (a shuffled order), it has built it, so "builds"
+    # is asserted exactly when this run wrote the file
     from engine.run import main
     argv = ["--checkpoint", str(tiny_checkpoint), "--int4", "--dtype", "bfloat16", "--compile",
             "--prompt", "hello world", "--max-new-tokens", "16", "--json"]
@@ -251,8 +253,11 @@ def test_the_cli_builds_once_then_loads_and_claims_plains_tokens_only_where_noth
         assert main(argv + list(more)) == 0
         out, err = capsys.readouterr()
         return json.loads(out), err
+    kept = set(folder.glob("step-*.pt2"))
     plain_run, err = cli()
-    assert "compiling layers 0-1" in err and "compiled them into" in err and plain_run["exact_path"]
+    built = set(folder.glob("step-*.pt2")) - kept
+    assert ("compiling layers 0-1" in err) == ("compiled them into" in err) == (len(built) == 1)
+    assert plain_run["exact_path"]
     look, err = cli("--decoder", "lookahead", "--window", "2", "--ngram", "3", "--guesses", "2")
     assert "compil" not in err and look["exact_path"] and look["tokens"] == plain_run["tokens"]
     frozen, _ = cli("--decoder", "lookahead", "--window", "2", "--ngram", "3", "--guesses", "2", "--trim-layers", "1")

@@ -133,7 +133,17 @@ GREEDY_DECODERS = {
     "speculative self-draft": ["--decoder", "speculative", "--draft", "layers:20"],
     "speculative coupled": ["--decoder", "speculative", "--verify", "coupled", "--adaptive"],
     "contrastive beta=0": ["--decoder", "contrastive", "--beta", "0"],
+    "lookup": ["--decoder", "lookup"],
 }
+INT4_DECODERS = ["lookahead", "lookahead trimmed", "speculative", "speculative coupled", "contrastive beta=0", "lookup"]
+
+
+def test_every_registered_decoder_is_held_to_plain_on_the_real_checkpoint():
+    # Why: a decoder added to the registry (README, "Adding a decoder") must be run against plain
+    # on the real weights, fp32 and int4, by the two tests below: a label of each list names it
+    from engine.decoders import DECODERS
+    for labels in (GREEDY_DECODERS, INT4_DECODERS):
+        assert [d for d in DECODERS if d != "plain" and not any(l.split()[0] == d for l in labels)] == []
 
 
 @real
@@ -197,8 +207,7 @@ INT4_EXACT = ["--int4", "--dtype", "bfloat16"]   # exact by default: --batch-inv
 
 @real
 @kernels
-@pytest.mark.parametrize("name", ["lookahead", "lookahead trimmed", "speculative", "speculative coupled",
-                                  "contrastive beta=0", "lookup"])
+@pytest.mark.parametrize("name", INT4_DECODERS)
 def test_int4_decoders_print_int4_plains_tokens_by_default(name, capsys):
     # Why: on --int4 a k-row forward used to round a row apart from plain's one-row forward, so
     # decoders left plain's tokens (4 prompts in 10 kept them). Now every kernel rounds a row

@@ -53,6 +53,13 @@ def test_sweep_finds_exact_decoders_identical_and_catches_a_flipped_token():
         assert out["broken"][mode]["first"]["prompt"] == "b#0" and out["broken"][mode]["first"]["position"] == 3
 
 
+def test_the_sweep_runs_every_registered_decoder_but_plain():
+    # Why: `make exact` is the proof in tokens on the real weights; a decoder added to the
+    # registry (README, "Adding a decoder") must get its rows in tools/exact.py's runs()
+    from tools.exact import runs
+    assert {r.decode for r in runs()} == {d.decode for name, d in DECODERS.items() if name != "plain"}
+
+
 def test_compare_names_the_first_difference_and_a_shorter_run():
     assert compare(["p", "q"], [[1, 2], [3, 4, 5]], [[1, 2], [3, 4]])["first"] == {
         "prompt": "q", "position": 2, "plain": [5], "decoder": []}

@@ -6,6 +6,8 @@ One parametrized entry per decoder configuration: `run(rng)` builds the decoder 
 is exact to float64 rounding: a decoder that is off by 1e-6 anywhere fails.
 """
 
+import re
+
 import pytest
 import torch
 
@@ -105,6 +107,13 @@ ENTRIES = {
     "speculative contrastive K=2 (budget 2)": (cd_run(DRAFT, K=2), cd_law(DRAFT), 2),
     "speculative contrastive early exit L=2 K=1": (cd_run(2, K=1), cd_law(2), 3),
 }
+
+
+def test_every_registered_decoder_has_its_law_enumerated_here():
+    # Why: a decoder added to the registry (README, "Adding a decoder") must have its law proven
+    # by the tests below: one label of ENTRIES at least names it
+    from engine.decoders import DECODERS
+    assert [d for d in DECODERS if not any(re.search(rf"\b{d}\b", label) for label in ENTRIES)] == []
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())

@@ -2,12 +2,14 @@
 emitted, and its numbers (u, p/q, positions, matches) are the ones the decision read.
 A reader learns the algorithms from these traces, so a trace that flatters them is a bug."""
 import json
+import re
 
 import pytest
 import torch
 
 from conftest import tiny_llama
 from engine import contrastive, lookahead, lookup, policy, speculative
+from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import generate, plain
 from engine.sampling import Random, Sampler
@@ -17,7 +19,7 @@ V, PROMPT, BUDGET = 6, [1, 2, 3, 1, 2, 4, 1, 2], 64
 TARGET, DRAFT = tiny_llama(0, vocab=V), tiny_llama(3, vocab=V, n_layers=1)
 SAMPLERS = {"greedy": Sampler(), "t=0.8": Sampler(0.8), "t=1.2,top-k=4": Sampler(1.2, top_k=4)}
 
-DECODERS = {   # name -> (sampler, rng, trace) -> steps
+TRACED = {   # label naming its registry decoder -> (sampler, rng, trace) -> steps
     "plain": lambda s, r, t: plain(TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
     "lookahead W=3 N=3 G=3": lambda s, r, t: lookahead.decode(
         TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, window=3, ngram=3, guesses=3, trace=t),
@@ -77,14 +79,14 @@ def lies(steps, rng, sampler) -> list[str]:
 def traced_steps(name, sampler, seed=0, n_steps=12):
     """The first n_steps steps (fewer if the budget would run out), and the random source."""
     rng, out = Random(seed), []
-    for step in DECODERS[name](sampler, rng, True):
+    for step in TRACED[name](sampler, rng, True):
         out.append(step)
         if len(out) == n_steps or sum(len(s.tokens) for s in out) > BUDGET // 2:
             return out, rng
 
 
 @pytest.mark.parametrize("sampler", SAMPLERS.values(), ids=SAMPLERS.keys())
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", TRACED)
 def test_trace_claims_exactly_what_each_step_emitted(name, sampler):
     # Why: a trace is read as the story of the step; every claim in it is checked against the
     # tokens and the keyed random source, for every decoder, greedy and sampled.
@@ -92,29 +94,36 @@ def test_trace_claims_exactly_what_each_step_emitted(name, sampler):
     assert lies(steps, rng, sampler) == []
 
 
-@pytest.mark.parametrize("name", DECODERS)
+@pytest.mark.parametrize("name", TRACED)
 def test_tracing_changes_no_token_and_untraced_steps_carry_none(name):
     # Why: --trace must watch the decoding, not steer it; and the default path builds nothing.
     sampler = Sampler(0.8)
-    quiet = DECODERS[name](sampler, Random(1), False)
-    loud = DECODERS[name](sampler, Random(1), True)
+    quiet = TRACED[name](sampler, Random(1), False)
+    loud = TRACED[name](sampler, Random(1), True)
     a, b = [next(quiet) for _ in range(8)], [next(loud) for _ in range(8)]
     assert [s.tokens for s in a] == [s.tokens for s in b]
     assert all(s.trace is None for s in a) and all(s.trace is not None for s in b)
 
 
+def test_every_registered_decoder_is_traced_here():
+    # Why: a decoder added to the registry (README, "Adding a decoder") must have its trace held
+    # to the truth by the tests above: one label of TRACED at least names it
+    assert [d for d in DECODERS if not any(re.search(rf"\b{d}\b", label) for label in TRACED)] == []
+
+
 def test_the_traces_accept_something_somewhere():
-    # Why: the truth test is vacuous for multi-token claims if every step emits one token.
-    long = [s for name in DECODERS for s in traced_steps(name, Sampler())[0] if len(s.tokens) > 1]
+    # Why: the truth test is vacuous for multi-token claims if every step emits one token; every
+    # decoder but plain (whose trace "kind" is its registry name) must show one somewhere
+    long = [s for name in TRACED for s in traced_steps(name, Sampler())[0] if len(s.tokens) > 1]
     kinds = {s.trace["kind"] for s in long}
-    assert {"lookahead", "lookup", "speculative", "contrastive"} <= kinds
+    assert set(DECODERS) - {"plain"} <= kinds
 
 
 def test_printed_trace_shows_every_step_and_its_emitted_tokens(capsys):
     # Why: what the reader sees is the formatter's output; it must name the emitted tokens.
     tracer = Tracer(letters)
-    for name in DECODERS:
-        steps = DECODERS[name](Sampler(0.8), Random(2), True)
+    for name in TRACED:
+        steps = TRACED[name](Sampler(0.8), Random(2), True)
         out = list(generate(traced(steps, tracer), max_new_tokens=10))
         printed = capsys.readouterr().err
         assert printed.count("#0 @8 ") == 1 and out
@@ -198,9 +207,11 @@ def tiny_checkpoint(tmp_path_factory):
     return tools.convert.convert(write_gguf(d / "tiny.gguf"), d / "ckpt")
 
 
-@pytest.mark.parametrize("decoder", [["plain"], ["lookahead"], ["lookup"], ["contrastive", "--amateur", "layers:1"],
-                                     ["speculative", "--draft", "layers:1", "--no-adaptive"],
-                                     ["speculative", "--draft", "int4", "--num-draft", "3"]])
+CLI_FLAGS = {"contrastive": ["--amateur", "layers:1"], "speculative": ["--draft", "layers:1", "--no-adaptive"]}
+
+
+@pytest.mark.parametrize("decoder", [[name, *CLI_FLAGS.get(name, [])] for name in DECODERS]
+                         + [["speculative", "--draft", "int4", "--num-draft", "3"]])   # every registry line
 def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder, capsys):
     # Why: `--trace` is the flag a reader types; on any checkpoint it must print every step
     # (one per target forward) on stderr and leave stdout's answer alone.
@@ -267,7 +278,7 @@ def test_a_step_the_run_ends_inside_says_what_it_kept(name, capsys):
     i = next(i for i, s in enumerate(steps) if len(s.tokens) > 1)          # a multi-token step
     budget = sum(len(s.tokens) for s in steps[:i]) + 1                      # ends after its first token
     ends = lambda tokens, out: cut(tokens, out, budget, set(), None)
-    out = list(generate(traced(DECODERS[name](Sampler(), Random(0), True), Tracer(letters), cut=ends),
+    out = list(generate(traced(TRACED[name](Sampler(), Random(0), True), Tracer(letters), cut=ends),
                         max_new_tokens=budget))
     blocks = capsys.readouterr().err.split("\n#")
     assert len(out) == budget and len(blocks) == i + 1

@@ -78,6 +78,10 @@ def test_bad_truncate_and_keep_are_errors():
         c.truncate(6)
     with pytest.raises(ValueError):
         c.keep(3, [2])
+    with pytest.raises(ValueError):   # slot 5 is past the cached slots [0, 5): stale data
+        c.keep(3, [4, 5])
+    c.keep(3, [4])                    # the last cached slot is a slot like any other
+    assert c.length == 4
 
 
 @pytest.mark.parametrize("capability, attends", [("AVX2", torch.float32), ("DEFAULT", torch.float32),

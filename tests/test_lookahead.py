@@ -202,6 +202,14 @@ def test_pool_keeps_the_g_most_recently_seen_grams_per_first_token():
     assert pool.guesses(7) == [] and lookahead.Pool(0, 3).guesses(1) == []
 
 
+def test_the_window_starts_as_the_prompt_read_diagonally():
+    # Why: the first n-grams the window mints start with real text only if column k's chain
+    # reads prompt[k:k+N-1] (init_window's docstring); the exactness proofs cannot see a shifted
+    # window, only the speed can. Caught broken variant: level l, column k = prompt[l + k + 1]
+    assert lookahead.init_window([1, 2, 3, 4, 5], 3, 4) == [[1, 2, 3], [2, 3, 4], [3, 4, 5]]
+    assert lookahead.init_window([1, 2], 3, 3) == [[1, 2, 1], [2, 1, 2]]    # a short prompt wraps
+
+
 def test_window_column_zero_is_keyed_by_the_last_token():
     # Why: column 0's chain starts at x, not at the dead slot of level 0 (llama.cpp's slip).
     pool = lookahead.Pool(4, 3)

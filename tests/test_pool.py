@@ -30,6 +30,11 @@ def filing_failures(pool_cls) -> list[str]:
         bad.append("a refreshed gram outlives an older one")
     if p.guesses(6) != [] or p.guesses(4) != []:
         bad.append("keys are first tokens only")
+    one = pool_cls(1, 3)                                 # the smallest pool that holds anything
+    one.add(5, (6, 7))
+    one.add(5, (8, 9))
+    if one.guesses(5) != [(8, 9)]:
+        bad.append("a pool of size 1 holds the latest gram")
     q = pool_cls(4, 3)
     q.add_text([5, 6, 7, 5, 6, 8])
     if (q.guesses(5), q.guesses(6), q.guesses(7)) != ([(6, 8), (6, 7)], [(7, 5)], [(5, 6)]):

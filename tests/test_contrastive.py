@@ -5,7 +5,7 @@ import math
 
 import pytest
 import torch
-from hypothesis import given, strategies as st
+from hypothesis import example, given, strategies as st
 
 from conftest import DEVICE, tiny_llama
 from engine import contrastive
@@ -57,9 +57,13 @@ def check_logit_form_by_hand():
 
 
 @given(seed=st.integers(0, 2**16), alpha=st.floats(0, 1), form=st.sampled_from(["logit", "ratio"]))
+@example(seed=0, alpha=1.0, form="logit")   # the boundary: the argmax alone, kept by ">=" only
+@example(seed=0, alpha=0.0, form="ratio")   # every token
 def test_plausibility_mask_keeps_the_expert_argmax(seed, alpha, form):
     # Why: V_head is never empty, so a token can always be emitted, and it is the set the
-    # papers define: p_E(x) >= alpha * max p_E, computed from the expert alone.
+    # papers define: p_E(x) >= alpha * max p_E, computed from the expert alone. Caught broken
+    # variant (pinned by the alpha = 1 example, not left to a random draw): "<=" for "<" in the
+    # cutoff, which drops the argmax itself at alpha = 1
     check_mask_keeps_expert_argmax(seed, alpha, form)
 
 

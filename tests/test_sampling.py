@@ -117,6 +117,14 @@ def test_icdf_never_returns_a_token_of_probability_zero(seed, zeros, u):
     assert p[icdf(p * (1 - 1e-9), u)] > 0      # cdf[-1] < 1 from rounding: still a real token
 
 
+def test_icdf_past_a_cdf_short_of_one_takes_the_last_token_with_mass():
+    # Why: rounding can leave cdf[-1] <= u < 1, and the fallback must then be a token of the law,
+    # not the last id. A fixed example, so the catch does not rest on a random u landing past
+    # cdf[-1]. Caught broken variant: the fallback returning the last id (here of mass 0)
+    p = torch.tensor([0.5, 0.5 * (1 - 1e-9), 0.0], dtype=torch.float64)
+    assert icdf(p, 1 - 1e-12) == 1
+
+
 def test_categorical_sampler_passes_a_chi_square_test():
     # Why: the exact-law proofs assume u is uniform; this checks the real source is.
     # N = 40,000 draws from a fixed p over 8 tokens, one fresh key each. Critical value for

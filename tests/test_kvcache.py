@@ -69,6 +69,8 @@ def test_overflow_is_a_clear_error():
     with pytest.raises(ValueError, match="capacity"):
         model(toks(0, 5), torch.arange(5), cache)
     assert cache.length == 0
+    model(toks(0, 4), torch.arange(4), cache)    # exactly full is not over: a budget that fits runs
+    assert cache.length == 4
 
 
 def test_bad_truncate_and_keep_are_errors():

@@ -125,6 +125,18 @@ def test_icdf_past_a_cdf_short_of_one_takes_the_last_token_with_mass():
     assert icdf(p, 1 - 1e-12) == 1
 
 
+def test_a_draft_of_target_probability_zero_is_never_accepted_even_at_u_0():
+    # Why: u is uniform on [0, 1), so u = 0 can come (2^-53 a draw): accept iff u < p/q must then
+    # still reject a draft the target gives probability 0. A fixed u, since no random draw reaches it.
+    # Caught broken variant: accept iff u <= p/q
+    class Zero(Random):
+        def uniform(self, stream, position):
+            return 0.0
+    p = torch.tensor([[1.0, 0.0], [1.0, 0.0]], dtype=torch.float64)
+    q = torch.tensor([[0.5, 0.5]], dtype=torch.float64)
+    assert verify_rejection(p, q, [1], Zero(), 0) == [0]
+
+
 def test_categorical_sampler_passes_a_chi_square_test():
     # Why: the exact-law proofs assume u is uniform; this checks the real source is.
     # N = 40,000 draws from a fixed p over 8 tokens, one fresh key each. Critical value for

@@ -210,6 +210,29 @@ def test_the_window_starts_as_the_prompt_read_diagonally():
     assert lookahead.init_window([1, 2], 3, 3) == [[1, 2, 1], [2, 1, 2]]    # a short prompt wraps
 
 
+def test_the_window_mints_the_argmax_of_each_columns_newest_row():
+    # Why: the n-grams the window mints are its whole point, yet tokens stay exact whatever it
+    # mints, so only a check of what it minted can see a slip. Each step's "minted" (its trace)
+    # must be the argmax of its newest level's rows, recomputed here from a fresh cache of the
+    # committed text and the step's tree. Caught broken variant: minting from the next kept row
+    model, prompt = tiny_llama(1, vocab=6), prompt_for(1, 6, 6)
+    text, checked = list(prompt), 0
+    for step in lookahead.decode(model, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=16,
+                                 window=3, ngram=3, guesses=2, trace=True):
+        t = step.trace
+        if "minted" in t:
+            tokens, parent, newest, _ = lookahead.layout(t["x"], t["levels"], t["grams"])
+            cache = KVCache.for_model(model, len(text) + len(tokens))
+            model(torch.tensor([text[:-1]]), torch.arange(len(text) - 1), cache)   # all but x
+            logits = lookahead.forward(model, cache, [], tokens, parent, newest, 0)  # (W, V)
+            assert logits.argmax(-1).tolist() == t["minted"]
+            checked += 1
+        text += step.tokens
+        if len(text) >= len(prompt) + 16:   # the decoder never ends by itself: generate() does
+            break
+    assert checked >= 5
+
+
 def test_window_column_zero_is_keyed_by_the_last_token():
     # Why: column 0's chain starts at x, not at the dead slot of level 0 (llama.cpp's slip).
     pool = lookahead.Pool(4, 3)

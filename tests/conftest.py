@@ -4,6 +4,7 @@ float64 so that a forward of T=1 and one of T=K+1 cannot flip a near-tie argmax:
 equality between decoders is then a property of the algorithms, not of rounding.
 """
 import os
+import re
 
 import pytest
 import torch
@@ -56,6 +57,13 @@ def run(decoder, model, prompt, n, *, sampler=Sampler(), seed=0, eos=(), stats=N
 def prompt_for(seed: int, P: int, V: int) -> list[int]:
     """P random token ids below V, drawn from `seed`."""
     return torch.randint(0, V, (P,), generator=torch.Generator().manual_seed(seed)).tolist()
+
+
+def unnamed_decoders(labels, but=()) -> list[str]:
+    """The registry's decoders (engine/decoders.py) that no label names as a word, bar `but`:
+    a list a new decoder must join fails on it until it is named there."""
+    from engine.decoders import DECODERS
+    return [d for d in DECODERS if d not in but and not any(re.search(rf"\b{d}\b", l) for l in labels)]
 
 
 @pytest.fixture(scope="session", autouse=True)

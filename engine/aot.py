@@ -22,13 +22,19 @@ its graphs, rows past the graph's bounds. Each such forward that reaches the hea
 in `Compiled.eager`; where the count is not 0 the CLI does not claim plain's tokens.
 
 Never a traceback, never a wrong answer: no compiler, a failed build, an artifact that will not
-load or was built for another key is one notice, and the model runs eager.
+load or was built for another key is one notice, and the model runs eager. A new step is first
+loaded and run in a child process (`trial`): a library that crashes its process cannot be
+caught, and one did (SIGSEGV loading a fresh step, torch 2.11 on an Intel Xeon: docs/compile.md).
 """
 from __future__ import annotations
 
 import hashlib
 import os
+import signal
+import subprocess
+import sys
 import time
+from pathlib import Path
 import warnings
 from typing import Callable
 
@@ -209,11 +215,36 @@ def build(model: Llama, start: int, stop: int, path, k: str) -> None:
         program = torch.export.export(Stack(model, start, stop), args, dynamic_shapes=shapes, strict=False)
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp), inductor_configs={**OPTIONS, "aot_inductor.metadata": {"engine_key": k}})
+        trial(tmp, args)
         os.replace(tmp, path)
     finally:
         for b, kernel in zip(model.layers, before):
             b.attention.attend = kernel
         tmp.unlink(missing_ok=True)
+
+
+# a fresh process, as a later run's: import the ops, load the step, run it once on the sample
+TRIAL = ("import sys, torch, engine.aot; "
+         "torch._inductor.aoti_load_package(sys.argv[1])(*torch.load(sys.argv[2]))")
+
+
+def trial(path: Path, args: tuple) -> None:
+    """Load the step at `path` and run it on `args` in a child process; raise if the child fails,
+    so a step that crashes (a signal, not an exception) is never kept, nor loaded here."""
+    sample = path.with_suffix(".args")
+    torch.save(args, sample)
+    root = str(Path(__file__).resolve().parents[1])              # where `engine` imports from
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
+    try:
+        r = subprocess.run([sys.executable, "-c", TRIAL, str(path), str(sample)], env=env,
+                           capture_output=True, text=True, timeout=600)
+    finally:
+        sample.unlink(missing_ok=True)
+    if r.returncode < 0:
+        raise RuntimeError(f"the compiled step crashed a trial process ({signal.Signals(-r.returncode).name})")
+    if r.returncode:
+        why = [line for line in r.stderr.splitlines() if line.strip()] or ["no message"]
+        raise RuntimeError(f"the compiled step failed in a trial process: {why[-1].strip()[:200]}")
 
 
 def key(model: Llama) -> str:

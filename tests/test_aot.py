@@ -185,6 +185,25 @@ def test_a_build_that_fails_is_one_notice_leaves_no_file_and_the_kernels_as_they
     assert list(tmp_path.iterdir()) == [] and torch.equal(one_row_steps(got), want)
 
 
+def test_a_step_that_crashes_its_trial_process_is_one_notice_and_never_kept(monkeypatch, tmp_path):
+    # Why: a library that kills its process (SIGSEGV, seen loading a fresh step under torch 2.11;
+    # SIGILL, where a VM lists AMX but grants no tile state) cannot be caught in-process; the
+    # child that first loads and runs a new step dies instead, and the run goes on eager
+    def built(program, package_path, inductor_configs):
+        Path(package_path).write_bytes(b"a step")
+    monkeypatch.setattr(torch._inductor, "aoti_compile_and_package", built)
+    monkeypatch.setattr(aot, "TRIAL", "import os, signal; os.kill(os.getpid(), signal.SIGSEGV)")
+    notes, want = [], one_row_steps(int4())
+    got = aot.compile_step(int4(), notes.append, tmp_path)
+    assert notes[1:] == ["compile: RuntimeError: the compiled step crashed a trial process (SIGSEGV); running eager"]
+    assert "blocks" not in got.__dict__ and list(tmp_path.iterdir()) == [] and torch.equal(one_row_steps(got), want)
+    monkeypatch.setattr(aot, "TRIAL", "import sys; sys.exit('ImportError: no engine.aot here')")
+    notes = []
+    aot.compile_step(int4(), notes.append, tmp_path)
+    assert notes[1] == ("compile: RuntimeError: the compiled step failed in a trial process: "
+                        "ImportError: no engine.aot here; running eager") and list(tmp_path.iterdir()) == []
+
+
 def test_what_it_cannot_compile_is_one_notice(tmp_path):
     # Why: only the exact 4-bit CPU step is compiled (a graph of another path's kernels would not
     # keep its rows alike); anything else runs as it was

@@ -29,7 +29,7 @@ from typing import Callable
 import torch
 
 from engine import invariant, llama, packed
-from engine.kvcache import KVCache
+from engine.kvcache import KVCache, attention_dtype
 from engine.llama import Llama
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
@@ -171,12 +171,12 @@ def one_row_seconds(model: Llama, context: int) -> float:
 
 
 def model_key(model: Llama) -> str:
-    """What a measured price depends on: the machine, torch, dtype, kernels and model shape (and
-    a compiled stack, engine/aot.py, where there is one)."""
+    """What a measured price depends on: the machine, torch, dtype, kernels, K/V dtype and model
+    shape (and a compiled stack, engine/aot.py, where there is one)."""
     w, layer = model.tok_embeddings.weight, model.layers[0]
     compiled = "|compiled" if "blocks" in model.__dict__ else ""
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                              torch.__version__, device_name(w.device), w.dtype,
+                              torch.__version__, device_name(w.device), w.dtype, attention_dtype(w.dtype, w.device),
                               type(layer.feed_forward.w13).__name__, layer.attention.attend.__name__,
                               model.config))) + compiled
 

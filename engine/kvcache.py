@@ -15,14 +15,17 @@ from torch import Tensor
 
 # subtle: read once, at import, as torch reads ATEN_CPU_CAPABILITY once
 ATEN_CAPABILITY = torch.backends.cpu.get_cpu_capability()
+# bf16 attention only where ATen's bf16 kernels are AVX-512's and the CPU has AMX tiles
+BF16_ATTENTION = ATEN_CAPABILITY == "AVX512" and getattr(torch.cpu, "_is_amx_tile_supported", bool)()
 
 
 def attention_dtype(dtype: torch.dtype, device) -> torch.dtype:
     """The dtype a model's K/V are kept and attended in: its own, but fp32 for bf16 on a CPU
-    whose ATen kernels are not AVX-512's. Without native bf16 there, SDPA in bf16 takes 3.7x
-    fp32's time at 150 keys and 6.7x at 1,000 (docs/speed.md, run 15); fp32 K/V cost twice the
-    memory and three small casts per layer."""
-    if dtype != torch.bfloat16 or ATEN_CAPABILITY == "AVX512":    # the hot path: one test a layer
+    without AMX or not under the AVX512 dispatch. There SDPA's bf16 one-row kernel is slow:
+    3.7x fp32's time at 150 keys and 6.7x at 1,000 under AVX2 (docs/speed.md, run 15), 4.5x
+    at 100 and 8.6x at 1,000 on an AVX-512 EPYC with avx512_bf16 but no AMX (run 23); on an
+    AMX Xeon bf16 is the faster. fp32 K/V cost twice the memory and three small casts a layer."""
+    if dtype != torch.bfloat16 or BF16_ATTENTION:                # the hot path: one test a layer
         return dtype
     return torch.float32 if torch.device(device if device is not None else "cpu").type == "cpu" else dtype
 

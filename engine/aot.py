@@ -50,31 +50,28 @@ from engine.packed import Int4Linear
 MOST_ROWS, MOST_SLOTS = 1024, 1 << 20   # the graph's bounds: rows a forward, cache slots
 OPTIONS = {"emulate_precision_casts": True}   # bf16 rounded after every op, as eager does
 
-# the graph's two opaque ops: the exact attention, and the K/V write (in place: a traced write
-# is functional, and the graph would copy the whole cache back every layer)
+# the graph's opaque op, one a layer: the layer's K/V write (in place: a traced write is
+# functional, and the graph would copy the whole cache back every layer), then its exact attention
 OPS = torch.library.Library("engine_aot", "DEF")
-OPS.define("attend(Tensor q, Tensor k, Tensor v, Tensor mask) -> Tensor")
-OPS.define("store(Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor n, Tensor k, Tensor v) -> ()")
+OPS.define("attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor n, "
+           "Tensor mask) -> Tensor")
 
 
-def attend(q: Tensor, k: Tensor, v: Tensor, mask: Tensor) -> Tensor:
-    """row_attention of q (B, H, T, D) over the first S = mask.shape[1] slots of k, v."""
+def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, layer: int, n: Tensor,
+           mask: Tensor) -> Tensor:
+    """Layer `layer`'s new K/V (B, Hkv, T, D) into slots [n, n + T) of the (L, B, Hkv, capacity, D)
+    buffers, then row_attention of q (B, H, T, D) over the first S = mask.shape[1] slots."""
+    keys, values = k_cache[layer], v_cache[layer]                     # (B, Hkv, capacity, D)
+    keys.narrow(2, int(n), k.shape[2]).copy_(k)
+    values.narrow(2, int(n), v.shape[2]).copy_(v)
     S = mask.shape[1]
     # subtle: plain's one-row step calls it without a mask; the same call gives the same bits
     plain = q.shape[2] == 1 and bool(mask.numpy().all())         # NumPy: 1 us, torch's all(): ~8
-    return row_attention(q, k.narrow(2, 0, S), v.narrow(2, 0, S), None if plain else mask).contiguous()
-
-
-def store(k_cache: Tensor, v_cache: Tensor, layer: int, n: Tensor, k: Tensor, v: Tensor) -> None:
-    """Layer `layer`'s new K/V (B, Hkv, T, D) into slots [n, n + T) of the (L, B, Hkv, capacity, D) buffers."""
-    k_cache[layer].narrow(2, int(n), k.shape[2]).copy_(k)
-    v_cache[layer].narrow(2, int(n), v.shape[2]).copy_(v)
+    return row_attention(q, keys.narrow(2, 0, S), values.narrow(2, 0, S), None if plain else mask).contiguous()
 
 
 OPS.impl("attend", attend, "CompositeExplicitAutograd")
-OPS.impl("store", store, "CompositeExplicitAutograd")
-torch.library.register_fake("engine_aot::attend", lambda q, k, v, mask: q.new_empty(q.shape), lib=OPS)
-torch.library.register_fake("engine_aot::store", lambda kc, vc, layer, n, k, v: None, lib=OPS)
+torch.library.register_fake("engine_aot::attend", lambda q, k, v, kc, vc, layer, n, mask: q.new_empty(q.shape), lib=OPS)
 
 
 class Slots:
@@ -83,15 +80,18 @@ class Slots:
     def __init__(self, k: Tensor, v: Tensor, n: Tensor):
         self.k, self.v, self.n = k, v, n
 
-    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Tensor, Tensor]:
-        torch.ops.engine_aot.store(self.k, self.v, layer, self.n, k, v)
-        return self.k[layer], self.v[layer]                            # (B, Hkv, capacity, D)
+    def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Slots, Slots]:
+        # subtle: nothing is written yet: the layer's attention (graph_attend) hands its op the new
+        # K/V with its query, one call out of the graph a layer, where two cost ~0.3 ms a step
+        self.new = layer, k, v
+        return self, self
 
 
-def graph_attend(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor, enable_gqa: bool = True) -> Tensor:
-    """Attention.attend while the stack is exported: the opaque op, over the mask's width."""
+def graph_attend(q: Tensor, k: Slots, v: Slots, attn_mask: Tensor, enable_gqa: bool = True) -> Tensor:
+    """Attention.attend while the stack is exported: the opaque op, given what `Slots.append` kept."""
+    layer, new_k, new_v = k.new
     # subtle: the op's fake output is contiguous, so its input must be (q is a view of qkv)
-    return torch.ops.engine_aot.attend(q.contiguous(), k, v, attn_mask)
+    return torch.ops.engine_aot.attend(q.contiguous(), new_k, new_v, k.k, k.v, layer, k.n, attn_mask)
 
 
 class Stack(nn.Module):
@@ -255,7 +255,7 @@ def key(model: Llama) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     eager = model_key(model).removesuffix("|compiled")   # the same whether compiled before or not
-    return f"aot 1|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{eager}|{h.hexdigest()}"
+    return f"aot 2|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{eager}|{h.hexdigest()}"
 
 
 def first_line(e: Exception) -> str:

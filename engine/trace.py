@@ -50,6 +50,9 @@ def claimed(trace: dict) -> list[int]:
         return list(trace["grams"][trace["best"]][:trace["accepted"]] if trace["accepted"] else []) + [trace["next"]]
     if kind == "lookup":
         return trace["guess"][:trace["accepted"]] + [trace["next"]]
+    if "drafts" not in trace or "next" not in trace:   # a new decoder's own keys (README: Adding a decoder)
+        raise ValueError(f"claimed(): no rule for a {kind!r} trace; give it one here, or speculative's "
+                         "keys: 'drafts' (each with 'token' and 'verdict') and 'next'")
     return [d["token"] for d in trace["drafts"] if d["verdict"] == "accept"] + [trace["next"]]
 
 

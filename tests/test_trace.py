@@ -110,6 +110,14 @@ def test_every_registered_decoder_is_traced_here():
     assert unnamed_decoders(TRACED) == []
 
 
+
+def test_a_trace_claimed_has_no_rule_for_is_one_line_naming_the_keys_it_needs():
+    # Why: a new decoder's trace with keys of its own must tell its author what claimed() reads
+    # (README, "Adding a decoder"), not end in a KeyError on 'drafts'
+    with pytest.raises(ValueError, match="no rule for a 'medusa' trace.*'drafts'.*'next'"):
+        claimed({"kind": "medusa", "position": 3, "heads": [[1, 2]], "next": 4})
+    assert claimed({"kind": "medusa", "drafts": [{"token": 1, "verdict": "accept"}], "next": 2}) == [1, 2]
+
 def test_the_traces_accept_something_somewhere():
     # Why: the truth test is vacuous for multi-token claims if every step emits one token; every
     # decoder but plain (whose trace "kind" is its registry name) must show one somewhere

@@ -34,8 +34,8 @@ import signal
 import subprocess
 import sys
 import time
-from pathlib import Path
 import warnings
+from pathlib import Path
 from typing import Callable
 
 import torch

@@ -71,7 +71,7 @@ bench: weights
 # llama.cpp for `make bench LLAMA_CPP=...`, built here from the source tree the pinned sdist of
 # llama-cpp-python vendors (checked by sha256; llama.cpp 0c1e57098, named by hand: the sdist has
 # no git history), CPU only, native ISA but AMX, just llama-completion and llama-bench (13.5-16 min on
-# 2 cores). Not part of `make test`; it prints the binary to pass as LLAMA_CPP.
+# 2 older cores, 3 on a Zen 5). Not part of `make test`; it prints the binary to pass as LLAMA_CPP.
 LLAMA_CPP_PY := 0.3.36
 LLAMA_CPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_CPP_COMMIT := 0c1e57098

@@ -177,7 +177,8 @@ def model_key(model: Llama) -> str:
     compiled = "|compiled" if "blocks" in model.__dict__ else ""
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                               torch.__version__, device_name(w.device), w.dtype, attention_dtype(w.dtype, w.device),
-                              type(layer.feed_forward.w13).__name__, layer.attention.attend.__name__,
+                              type(layer.feed_forward.w13).__name__, type(model.packed_head).__name__,
+                              layer.attention.attend.__name__,
                               model.config))) + compiled
 
 

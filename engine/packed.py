@@ -11,7 +11,8 @@ its blocked layout streams it once for all k rows (`python -m tools.bench --forw
 
 `quantize_int4` goes further where exactness is not asked for: 4-bit weights in groups of 32,
 as GGUF's Q4_1 stores them, through torch's int4 kernel with bf16 activations, so a one-row
-step reads about 6x fewer layer bytes than fp32 (codes plus a bf16 scale and zero per 32).
+step reads about 6x fewer layer bytes than fp32 (codes plus a bf16 scale and zero per 32),
+and the LM head in 8-bit groups (Q8_0's), half its bf16 bytes.
 """
 from __future__ import annotations
 
@@ -96,13 +97,49 @@ class Int4Linear(nn.Module):
         return y.view(*x.shape[:-1], self.out_features)               # (..., out) bf16
 
 
+class Q8Linear(Int4Linear):
+    """y = x W^T with W = d q in 8-bit groups of 32 (GGUF's Q8_0: d = max|w| / 127, q in
+    -127..127), bf16 activations (CPU): the 4-bit path's LM head, in half the bytes of bf16.
+
+    torch has no grouped 8-bit kernel; its 4-bit one serves twice over. With q + 128 = 16 hi + lo
+    (hi, lo 4-bit codes), W = W_hi + W_lo where, in the kernel's (code - 8) scale + zero form,
+        W_hi = (hi - 8) 16d + 0,    W_lo = (lo - 8) d + 8d,    so x W^T = [x, x] [W_hi | W_lo]^T:
+    one call over twice the columns. A group already on a Q8_0 grid (the shipped head,
+    dequantized) gets its codes back exactly; d is kept in bf16, as Int4Linear keeps its scales.
+    """
+
+    def __init__(self, weight: Tensor, group: int = 32):
+        nn.Module.__init__(self)
+        out, n = weight.shape
+        if n % group or out % 16:
+            raise ValueError(f"q8 needs in % {group} == 0 and out % 16 == 0, got {(out, n)}")
+        self.out_features, self.in_features, self.group = out, 2 * n, group   # the kernel's columns
+        g = weight.float().view(out, n // group, group)                   # (out, n/group, group)
+        d = g.abs().amax(-1) / 127                                         # (out, n/group)
+        u = (g / d.clamp(min=1e-30)[..., None]).round().view(out, n).to(torch.int32) + 128  # 1..255
+        codes = torch.cat([u // 16, u % 16], 1)                            # (out, 2n): hi | lo
+        self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
+        hi, lo = torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)
+        self.register_buffer("scales", torch.cat([hi, lo], 1).transpose(0, 1).contiguous().bfloat16())
+
+    def forward(self, x: Tensor) -> Tensor:
+        return super().forward(torch.cat([x, x], -1))                      # (..., out) bf16
+
+
 def quantize_int4(model: Llama) -> Llama:
     """Every layer projection -> Int4Linear (from the model's fp32 weights, so that Q4_1 grids
-    come back exactly), then the rest (embeddings, norms, head) -> bf16, in place. CPU only."""
+    come back exactly), the LM head -> Q8Linear (where its shape packs), as GGUF's Q4_1 files
+    store them, then the rest (embeddings, norms) -> bf16, in place. CPU only."""
     w = model.tok_embeddings.weight
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError(f"int4 quantizes a float32 CPU model, got {w.dtype} on {w.device}")
     swap_projections(model, Int4Linear)
+    tied = model.config.tie_embeddings
+    head = w if tied else model.output.weight                          # (V, C)
+    if head.shape[0] % 16 == 0 and head.shape[1] % 32 == 0:           # else prepack's bf16 head
+        model.packed_head = Q8Linear(head)
+        if not tied:
+            del model.output
     return model.to(torch.bfloat16)
 
 
@@ -168,6 +205,8 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     else:
         return model
     swap_projections(model, swap)
+    if model.packed_head is not None:    # a 4-bit model's Q8Linear head: already packed
+        return model
     # the embedding table stays for lookups (tied: the head reads a copy or the same tensor)
     model.packed_head = swap(w if model.config.tie_embeddings else model.output.weight)
     if not model.config.tie_embeddings:

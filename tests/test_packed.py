@@ -101,6 +101,39 @@ def test_int4_linear_is_the_dequantized_matmul_in_bf16(out, n):
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
+def test_q8_head_holds_q8_0_weights_to_the_bit():
+    # why: the 4-bit path's LM head is GGUF's Q8_0 (the shipped head) read through the 4-bit
+    # kernel as two nibbles; each weight must come back as bf16(d) q exactly, not nearly.
+    # One-hot rows read W column by column; every sum the kernel forms is exact in fp32
+    g = torch.Generator().manual_seed(0)
+    out, n = 48, 64
+    q = torch.randint(-127, 128, (out, n // 32, 32), generator=g).float()
+    q[..., 0] = torch.where(torch.rand(out, n // 32, generator=g) < 0.5, -127.0, 127.0)  # each group's max
+    d = (torch.rand(out, n // 32, 1, generator=g) * 0.01 + 1e-3).half().float()       # fp16, as GGUF keeps
+    head = packed.Q8Linear((d * q).view(out, n))
+    want = (d.bfloat16().float() * q).view(out, n).t().bfloat16()                     # (n, out)
+    assert torch.equal(head(torch.eye(n)), want)
+    assert head(torch.randn(2, 3, n)).shape == (2, 3, out)
+    # the broken variant: the low nibble without its zero (8d) moves every weight by -8d
+    head.scales[n // 32:, :, 1] = 0
+    assert not torch.equal(head(torch.eye(n)), want)
+    with pytest.raises(ValueError, match="in % 32"):
+        packed.Q8Linear(torch.randn(64, 48))
+
+
+@pytest.mark.parametrize("tie", [True, False])
+def test_int4_model_reads_its_head_in_8_bits(tie):
+    # why: --int4 is Q4_1 layers and a Q8_0 head, tied or not; prepack then leaves that head be
+    model = tiny_llama(0, vocab=64, tie=tie, hidden=64).float()
+    w = (model.tok_embeddings if tie else model.output).weight.clone()   # (V, C) fp32
+    tokens, pos = torch.randint(0, 64, (1, 7)), torch.arange(7)
+    q = packed.prepack(packed.quantize_int4(model), batch_invariant=True)
+    assert type(q.packed_head) is packed.Q8Linear and not hasattr(q, "output")
+    got = q(tokens, pos, KVCache.for_model(q, 7))                        # (1, 7, V)
+    want = q.norm(q.blocks(q.tok_embeddings(tokens), pos)).float() @ w.t()   # the same rows, fp32 head
+    torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
 def test_int4_model_follows_the_fp32_model():
     # why: --int4 is an approximation; it must stay close to the model it approximates
     from engine.llama import Llama, LlamaConfig

@@ -13,7 +13,8 @@
 and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
 `adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced as the
 CLI prices it: this machine's costs, measured once (seconds) into ~/.cache/engine/ and read
-back (engine/cost.py); False, or lookahead given `window` or `guesses`: the textbook loop.
+back (engine/cost.py); False, or lookahead given `window` or `guesses`: the textbook loop (a
+decoder with no policy, plain or contrastive, is its one loop either way, as with --no-adaptive).
 A str prompt is chat-templated as the CLI does; a list of ints is sent as it is. Greedy unless
 temperature > 0; `seed` keys the draws. A bad argument is a ValueError before any token, as
 the CLI's `error:` lines: raised by the call, or a decoder's knob by its first token's read.
@@ -121,6 +122,8 @@ class Engine:
         check_fits(len(ids), max_new_tokens, self.model.config)
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
+        if type(adaptive) is not bool:   # "false" would be truthy; a policy-less decoder ignores it
+            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
         d = DECODERS[decoder]
         if set(knobs) - set(d.knobs):
             raise ValueError(f"{decoder} has no knob {sorted(set(knobs) - set(d.knobs))[0]!r} "

@@ -155,6 +155,7 @@ def test_bad_arguments_are_value_errors(ckpt, kw, words):
     ([5], {"max_new_tokens": 0}, "max_new_tokens"), ([5], {"max_new_tokens": 10**6}, "context"),
     ([5], {"decoder": "speculative", "second": "layers:8"}, "layer count or a Llama"),
     ([5], {"decoder": "beam"}, "decoder 'beam'"), ([5], {"temperature": -1}, "temperature"),
+    ([5], {"decoder": "lookahead", "adaptive": "false"}, "adaptive"),   # a truthy string: not True
 ])
 def test_bad_arguments_raise_at_the_call_not_at_the_first_token(ckpt, prompt, kw, words):
     # Why: an error that waits for the first next() lands far from the line that caused it, and

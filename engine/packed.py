@@ -106,6 +106,8 @@ class Q8Linear(Int4Linear):
         W_hi = (hi - 8) 16d + 0,    W_lo = (lo - 8) d + 8d,    so x W^T = [x, x] [W_hi | W_lo]^T:
     one call over twice the columns. A group already on a Q8_0 grid (the shipped head,
     dequantized) gets its codes back exactly; d is kept in bf16, as Int4Linear keeps its scales.
+    The trade: a one-row step 0.92x as long, but the kernel pays per row where oneDNN's bf16
+    head is flat to 16 rows, so an 8-row verify costs 1.08x (docs/speed.md, run 27).
     """
 
     def __init__(self, weight: Tensor, group: int = 32):

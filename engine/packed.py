@@ -21,12 +21,16 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.invariant import MOST_ROWS, row_attention
+from engine.kvcache import ATEN_CAPABILITY
 from engine.llama import Llama
 
 
 # the op's one overload, bound once: a call through the packet resolves it every time
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
+# the 4-bit kernel's AVX-512 path reads an 8-bit head faster than oneDNN reads a bf16 one; its
+# AVX2 path does not (one row: 3.0 ms against bf16's 1.4 under that dispatch; docs/speed.md, run 27)
+Q8_HEAD = ATEN_CAPABILITY == "AVX512"
 
 
 class PackedLinear(nn.Module):
@@ -130,15 +134,16 @@ class Q8Linear(Int4Linear):
 
 def quantize_int4(model: Llama) -> Llama:
     """Every layer projection -> Int4Linear (from the model's fp32 weights, so that Q4_1 grids
-    come back exactly), the LM head -> Q8Linear (where its shape packs), as GGUF's Q4_1 files
-    store them, then the rest (embeddings, norms) -> bf16, in place. CPU only."""
+    come back exactly), the LM head -> Q8Linear (under the AVX512 dispatch, where its shape
+    packs), as GGUF's Q4_1 files store them, then the rest (embeddings, norms) -> bf16, in
+    place. CPU only."""
     w = model.tok_embeddings.weight
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError(f"int4 quantizes a float32 CPU model, got {w.dtype} on {w.device}")
     swap_projections(model, Int4Linear)
     tied = model.config.tie_embeddings
     head = w if tied else model.output.weight                          # (V, C)
-    if head.shape[0] % 16 == 0 and head.shape[1] % 32 == 0:           # else prepack's bf16 head
+    if Q8_HEAD and head.shape[0] % 16 == 0 and head.shape[1] % 32 == 0:   # else prepack's bf16 head
         model.packed_head = Q8Linear(head)
         if not tied:
             del model.output

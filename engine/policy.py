@@ -36,7 +36,7 @@ SLOPE = {
     ("PackedLinear", "AVX512"): 0.04,   # oneDNN, reordered weights, Zen 4: 8 rows 1.18x one row
     ("PackedLinear", "AVX2"): 0.04,     # the same on an AVX2-only EPYC: 8 rows 1.17x
     ("Int4Linear", "AVX512"): 0.17,     # torch's int4 kernel, Q8 head, Zen 5: 8 rows 2.05x
-    ("Int4Linear", "AVX2"): 0.25,       # 8 rows 2.7x (measured before the Q8 head)
+    ("Int4Linear", "AVX2"): 0.25,       # 8 rows 2.7x (a bf16 head: packed.Q8_HEAD)
     ("Linear", "AVX512"): 0.06,         # nn.Linear (MKL repacks per call): 8 rows ~ 1.4x
     ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows (not measured here)
 }

@@ -121,16 +121,18 @@ def test_q8_head_holds_q8_0_weights_to_the_bit():
         packed.Q8Linear(torch.randn(64, 48))
 
 
-@pytest.mark.parametrize("tie, vocab", [(True, 64), (False, 64), (False, 40)])
-def test_int4_model_reads_its_head_in_8_bits(tie, vocab):
+@pytest.mark.parametrize("tie, vocab, q8", [(True, 64, True), (False, 64, True), (False, 40, True),
+                                          (True, 64, False)])
+def test_int4_model_reads_its_head_in_8_bits(tie, vocab, q8, monkeypatch):
     # why: --int4 is Q4_1 layers and a Q8_0 head, tied or not; prepack then leaves that head be.
-    # A vocabulary the kernel cannot tile (40 % 16) keeps the bf16 head, and still runs
+    # A vocabulary the kernel cannot tile (40 % 16) keeps the bf16 head, and still runs; so does
+    # a dispatch where the 4-bit kernel's 8-bit head is dearer (Q8_HEAD False: AVX2)
+    monkeypatch.setattr(packed, "Q8_HEAD", q8)
     model = tiny_llama(0, vocab=vocab, tie=tie, hidden=64).float()
     w = (model.tok_embeddings if tie else model.output).weight.clone()   # (V, C) fp32
     tokens, pos = torch.randint(0, vocab, (1, 7)), torch.arange(7)
     q = packed.prepack(packed.quantize_int4(model), batch_invariant=True)
-    assert (type(q.packed_head) is packed.Q8Linear) == (vocab % 16 == 0)
-    assert not hasattr(q, "output") or vocab % 16
+    assert (type(q.packed_head) is packed.Q8Linear) == (q8 and vocab % 16 == 0)
     got = q(tokens, pos, KVCache.for_model(q, 7))                        # (1, 7, V)
     want = q.norm(q.blocks(q.tok_embeddings(tokens), pos)).float() @ w.t()   # the same rows, fp32 head
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())

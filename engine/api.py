@@ -122,7 +122,7 @@ class Engine:
         check_fits(len(ids), max_new_tokens, self.model.config)
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
-        if type(adaptive) is not bool:   # "false" would be truthy; a policy-less decoder ignores it
+        if type(adaptive) is not bool:   # "false" would be truthy; checked for every decoder, read by a policy
             raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
         d = DECODERS[decoder]
         if set(knobs) - set(d.knobs):

@@ -12,7 +12,7 @@ its blocked layout streams it once for all k rows (`python -m tools.bench --forw
 `quantize_int4` goes further where exactness is not asked for: 4-bit weights in groups of 32,
 as GGUF's Q4_1 stores them, through torch's int4 kernel with bf16 activations, so a one-row
 step reads about 6x fewer layer bytes than fp32 (codes plus a bf16 scale and zero per 32),
-and the LM head in 8-bit groups (Q8_0's), half its bf16 bytes.
+and (under the AVX512 dispatch) the LM head in 8-bit groups, Q8_0's: ~0.6x its bf16 bytes.
 """
 from __future__ import annotations
 
@@ -28,8 +28,8 @@ from engine.llama import Llama
 # the op's one overload, bound once: a call through the packet resolves it every time
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
-# the 4-bit kernel's AVX-512 path reads an 8-bit head faster than oneDNN reads a bf16 one; its
-# AVX2 path does not (one row: 3.0 ms against bf16's 1.4 under that dispatch; docs/speed.md, run 27)
+# the 4-bit kernel's AVX-512 path reads an 8-bit head for one row faster than oneDNN reads a bf16
+# one; its AVX2 path does not (3.0 ms against bf16's 1.4 under that dispatch; docs/speed.md, run 27)
 Q8_HEAD = ATEN_CAPABILITY == "AVX512"
 
 
@@ -103,7 +103,7 @@ class Int4Linear(nn.Module):
 
 class Q8Linear(Int4Linear):
     """y = x W^T with W = d q in 8-bit groups of 32 (GGUF's Q8_0: d = max|w| / 127, q in
-    -127..127), bf16 activations (CPU): the 4-bit path's LM head, in half the bytes of bf16.
+    -127..127), bf16 activations (CPU): the 4-bit path's LM head, in ~0.6x the bytes of bf16.
 
     torch has no grouped 8-bit kernel; its 4-bit one serves twice over. With q + 128 = 16 hi + lo
     (hi, lo 4-bit codes), W = W_hi + W_lo where, in the kernel's (code - 8) scale + zero form,
@@ -115,6 +115,7 @@ class Q8Linear(Int4Linear):
     """
 
     def __init__(self, weight: Tensor, group: int = 32):
+        # subtle: Int4Linear's __init__ would quantize `weight` to 4 bits; only its forward is shared
         nn.Module.__init__(self)
         out, n = weight.shape
         if n % group or out % 16:
@@ -122,11 +123,11 @@ class Q8Linear(Int4Linear):
         self.out_features, self.in_features, self.group = out, 2 * n, group   # the kernel's columns
         g = weight.float().view(out, n // group, group)                   # (out, n/group, group)
         d = g.abs().amax(-1) / 127                                         # (out, n/group)
-        u = (g / d.clamp(min=1e-30)[..., None]).round().view(out, n).to(torch.int32) + 128  # 1..255
+        u = (g / d.clamp(min=1e-30)[..., None]).round().view(out, n).to(torch.int32) + 128  # (out, n) 1..255
         codes = torch.cat([u // 16, u % 16], 1)                            # (out, 2n): hi | lo
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
-        hi, lo = torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)
-        self.register_buffer("scales", torch.cat([hi, lo], 1).transpose(0, 1).contiguous().bfloat16())
+        hi, lo = torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)  # each (out, n/group, 2): scale, zero
+        self.register_buffer("scales", torch.cat([hi, lo], 1).transpose(0, 1).contiguous().bfloat16())  # (2n/group, out, 2)
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(torch.cat([x, x], -1))                      # (..., out) bf16
@@ -135,8 +136,8 @@ class Q8Linear(Int4Linear):
 def quantize_int4(model: Llama) -> Llama:
     """Every layer projection -> Int4Linear (from the model's fp32 weights, so that Q4_1 grids
     come back exactly), the LM head -> Q8Linear (under the AVX512 dispatch, where its shape
-    packs), as GGUF's Q4_1 files store them, then the rest (embeddings, norms) -> bf16, in
-    place. CPU only."""
+    packs): as the GGUF stores them, Q4_1 layers and a Q8_0 head. Then the rest (embeddings,
+    norms) -> bf16, in place. CPU only."""
     w = model.tok_embeddings.weight
     if w.device.type != "cpu" or w.dtype != torch.float32:
         raise ValueError(f"int4 quantizes a float32 CPU model, got {w.dtype} on {w.device}")
@@ -212,7 +213,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     else:
         return model
     swap_projections(model, swap)
-    if model.packed_head is not None:    # a 4-bit model's Q8Linear head: already packed
+    if model.packed_head is not None:    # a head packed already: a 4-bit model's Q8Linear
         return model
     # the embedding table stays for lookups (tied: the head reads a copy or the same tensor)
     model.packed_head = swap(w if model.config.tie_embeddings else model.output.weight)

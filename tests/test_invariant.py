@@ -134,9 +134,12 @@ def test_sdpa_over_all_rows_fails_the_row_invariance_test():
                    for t, a in enumerate(alone))
 
 
-def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count():
+@pytest.mark.parametrize("q8_head", [True, False])
+def test_the_row_probe_sees_a_kernel_that_rounds_by_row_count(q8_head, monkeypatch):
     # Why: the CLI calls a --batch-invariant run exact only where this probe says the kernels
-    # round rows alike; a kernel that takes another path for one row must make it say False
+    # round rows alike; a kernel that takes another path for one row must make it say False.
+    # Both int4 heads (the Q8 one, and bf16 where the dispatch is AVX2) round rows alike
+    monkeypatch.setattr(packed, "Q8_HEAD", q8_head)
     from engine.llama import Llama, LlamaConfig
     cfg = LlamaConfig(dim=64, n_layers=1, n_heads=9, n_kv_heads=3, hidden_dim=96, vocab_size=64,
                       head_dim=64)   # SmolLM2's heads: where SDPA is seen to round rows apart

@@ -121,6 +121,18 @@ def test_q8_head_holds_q8_0_weights_to_the_bit():
         packed.Q8Linear(torch.randn(64, 48))
 
 
+def test_q8_head_rounds_any_weights_to_their_group_grid():
+    # why: a head not stored in Q8_0 (another checkpoint) is quantized, never wrapped around: each
+    # weight lands within half a step d = max|w| / 127 of its group (plus d's bf16 rounding, at
+    # most 127 d 2^-9, and the output's), and a group of zeros stays zero
+    w = torch.randn(32, 64, generator=torch.Generator().manual_seed(1))
+    w[:, :32] = 0                                                       # a zero group in every row
+    d = w.view(32, 2, 32).abs().amax(-1).repeat_interleave(32, 1) / 127  # (out, n) each weight's step
+    got = packed.Q8Linear(w)(torch.eye(64)).t().float()                 # (out, n) the weights it reads
+    assert torch.equal(got[:, :32], torch.zeros(32, 32))
+    assert ((got - w).abs() <= 0.75 * d + 2 ** -8 * w.abs()).all()
+
+
 @pytest.mark.parametrize("tie, vocab, q8", [(True, 64, True), (False, 64, True), (False, 40, True),
                                           (True, 64, False)])
 def test_int4_model_reads_its_head_in_8_bits(tie, vocab, q8, monkeypatch):
@@ -133,9 +145,15 @@ def test_int4_model_reads_its_head_in_8_bits(tie, vocab, q8, monkeypatch):
     tokens, pos = torch.randint(0, vocab, (1, 7)), torch.arange(7)
     q = packed.prepack(packed.quantize_int4(model), batch_invariant=True)
     assert (type(q.packed_head) is packed.Q8Linear) == (q8 and vocab % 16 == 0)
+    assert not (q8 and vocab % 16 == 0 and hasattr(q, "output"))     # untied: the Q8 copy replaces it
     got = q(tokens, pos, KVCache.for_model(q, 7))                        # (1, 7, V)
     want = q.norm(q.blocks(q.tok_embeddings(tokens), pos)).float() @ w.t()   # the same rows, fp32 head
     torch.testing.assert_close(got, want, rtol=0, atol=2e-2 * want.abs().max().item())
+
+
+def test_the_q8_head_is_taken_under_the_avx512_dispatch_only():
+    # why: the 8-bit head pays for one row only where the 4-bit kernel has its AVX-512 path
+    assert packed.Q8_HEAD == (torch.backends.cpu.get_cpu_capability() == "AVX512")
 
 
 def test_int4_model_follows_the_fp32_model():

@@ -552,7 +552,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                         "compiled ahead of time "
                         "(engine/aot.py, the CLI's --compile; built once), held to the compiled plain's tokens")
     p.add_argument("--int4", action="store_true",
-                   help="layer weights in 4 bits, bf16 activations (packed.quantize_int4); needs --dtype bfloat16")
+                   help="layer weights in 4 bits (and the head in 8 under an AVX-512 dispatch), bf16 activations "
+                        "(packed.quantize_int4); needs --dtype bfloat16")
     p.add_argument("--repeats", type=int, default=7, help="timed rounds per figure (median)")
     p.add_argument("--ks", default=",".join(map(str, KS)), help="comma-separated row counts")
     p.add_argument("--max-new-tokens", type=int, default=64, help="for --roof's plain decode")
@@ -639,6 +640,7 @@ def run(args: argparse.Namespace) -> dict:
     naive = twin(model) if args.naive else None
     engine = prepack(model, exact_by_default(model))  # the CLI's default path (nn.Linear where it cannot pack)
     result["linear"] = type(engine.layers[0].attention.wqkv).__name__
+    result["head"] = type(engine.packed_head).__name__
     if args.forward_cost:
         models = {"engine": engine} | ({"naive": naive} if naive is not None else {})
         result["forward_cost"] = forward_cost(models, args.ks, repeats=args.repeats)

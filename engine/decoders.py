@@ -22,6 +22,7 @@ from engine.generate import plain
 class Decoder:
     decode: Callable
     knobs: tuple[str, ...] = ()     # decode()'s keyword knobs; the CLI flag is --knob-name
+    sizes: tuple[str, ...] = ()     # knobs that size a step: the CLI clamps them to the token budget
     second: str | None = None       # the flag naming its second model: a checkpoint or layers:L
     early_exit: Callable = int      # layers:L -> what decode() takes for an early exit of the target
     policy: Callable | None = None  # (model, [second,] prices, knobs) -> what decode(policy=) takes
@@ -37,12 +38,12 @@ class Decoder:
 DECODERS = {
     "plain": Decoder(plain, one_row=lambda knobs: True),
     "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers"),
-                         policy=policy.for_lookahead, fixed_by=("window", "guesses")),
-    "speculative": Decoder(speculative.decode, ("num_draft", "verify"), "draft", SelfDraft,
+                         ("window", "guesses", "ngram"), policy=policy.for_lookahead, fixed_by=("window", "guesses")),
+    "speculative": Decoder(speculative.decode, ("num_draft", "verify"), ("num_draft",), "draft", SelfDraft,
                            policy.for_speculative, rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
-                                                "speculative", "num_draft"), "amateur",
+                                                "speculative", "num_draft"), ("num_draft",), "amateur",
                            rejection=lambda k: bool(k.get("speculative")),
                            one_row=lambda k: not k.get("speculative"), held_to="contrastive's"),
-    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens"), policy=policy.for_lookup),
+    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens"), ("lookup_tokens",), policy=policy.for_lookup),
 }

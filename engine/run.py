@@ -271,10 +271,10 @@ def bound_knobs(args, context: int) -> None:
     stderr; refuse a step wider than the model's context. A window column or a draft token past
     the budget can never be accepted, yet each costs memory: --num-draft 10^9 would try to
     allocate a cache of 10^9 slots."""
-    for name in ("window", "guesses", "num_draft", "lookup_tokens", "ngram"):
+    for name in DECODERS[args.decoder].sizes:
         top = args.max_new_tokens + 1 if name == "ngram" else args.max_new_tokens   # x and N-1 tokens after it
         v = getattr(args, name)
-        if name in DECODERS[args.decoder].knobs and v is not None and v > top:
+        if v is not None and v > top:
             warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token budget can use")
             setattr(args, name, top)
     if args.decoder == "lookahead" and not DECODERS["lookahead"].adapts(knobs(args), args.adaptive):

@@ -11,6 +11,7 @@ and pipes need a subprocess. Each key property is also run against a broken vari
 (the unbounded sandbox, the raw encoder) to show the assertion can fail.
 """
 import copy
+import dataclasses
 import errno
 import io
 import json
@@ -30,6 +31,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 
 import tools.convert
 from engine import template
+from engine.decoders import DECODERS
 from engine.kvcache import KVCache
 from engine.run import main as run_main
 from engine.sampling import Random, Sampler
@@ -595,6 +597,27 @@ def test_a_knob_past_the_budget_is_clamped_said_once_and_runs(ckpt, capsys, argv
     out, err = capsys.readouterr()
     assert time.monotonic() - t0 < 10 and json.loads(out)["n_tokens"] >= 1
     assert len([l for l in err.splitlines() if "clamped" in l]) >= 1 and "error" not in err
+
+
+def clamped(name: str, size: str) -> int:
+    from engine.run import bound_knobs, parser
+    args = parser().parse_args(["--decoder", name, f"--{size.replace('_', '-')}", "1000000000",
+                                "--max-new-tokens", "4", "--prompt", "hi"])
+    bound_knobs(args, context=8192)
+    return getattr(args, size)
+
+
+@pytest.mark.parametrize("name, size", [(n, s) for n, d in DECODERS.items() for s in d.sizes])
+def test_every_size_a_decoder_declares_is_clamped_to_the_budget(name, size, monkeypatch):
+    # Why: the registry's `sizes` is where a new decoder says which knobs size its step; each
+    # must come back within the budget (ngram: x and the N-1 tokens after it), and a size the
+    # registry forgets is not clamped (the broken variant: kept, or past the context, refused)
+    assert size in DECODERS[name].knobs and clamped(name, size) <= 5
+    monkeypatch.setitem(DECODERS, name, dataclasses.replace(DECODERS[name], sizes=()))
+    try:
+        assert clamped(name, size) == 10**9
+    except ValueError as e:
+        assert "context" in str(e)
 
 
 def test_unclamped_knobs_would_allocate_without_bound(ckpt):

@@ -560,6 +560,9 @@ def test_the_fixed_slopes_are_the_measured_ones(path):
     d = json.loads(path.read_text())
     table = {int(k): r["ratio"] for k, r in d["forward_cost"]["engine"].items()}
     assert abs(policy.SLOPE[d["linear"], d["machine"]["dispatch"]] - fitted_slope(table)) <= 0.03
+    if "naive" in d["forward_cost"]:   # --naive: the same model on nn.Linear, beside it
+        table = {int(k): r["ratio"] for k, r in d["forward_cost"]["naive"].items()}
+        assert abs(policy.SLOPE["Linear", d["machine"]["dispatch"]] - fitted_slope(table)) <= 0.03
 
 
 def test_the_fixed_draft_prices_are_the_measured_ones():

@@ -38,7 +38,7 @@ SLOPE = {
     ("Int4Linear", "AVX512"): 0.17,     # torch's int4 kernel, Q8 head, Zen 5: 8 rows 2.05x
     ("Int4Linear", "AVX2"): 0.25,       # 8 rows 2.7x (a bf16 head: packed.Q8_HEAD)
     ("Linear", "AVX512"): 0.06,         # nn.Linear (MKL repacks per call): 8 rows ~ 1.4x
-    ("Linear", "AVX2"): 0.07,           # the same on an AVX2-only EPYC
+    ("Linear", "AVX2"): 0.07,           # the same on an AVX2-only EPYC (docs/forward-cost.json, naive)
     ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows (not measured here)
 }
 UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows

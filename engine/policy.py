@@ -43,7 +43,7 @@ SLOPE = {
 }
 UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
 DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
-    ("Int4Linear", "AVX512"): 0.41,     # the target's weights in 4 bits, Zen 4, bf16 head then (docs/draft-price.json)
+    ("Int4Linear", "AVX512"): 0.41,     # the target in 4 bits: Zen 4 0.41, Zen 5 (Q8 head) 0.43 (docs/draft-price.json)
     ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
 }
 

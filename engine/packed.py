@@ -88,7 +88,7 @@ class Int4Linear(nn.Module):
     def __init__(self, weight: Tensor, group: int = 32):
         super().__init__()
         self.out_features, self.in_features = weight.shape
-        if self.in_features % group or self.out_features % 16:
+        if not packs(weight, group):
             raise ValueError(f"int4 needs in % {group} == 0 and out % 16 == 0, got {tuple(weight.shape)}")
         q, d, m = q4_groups(weight, group)
         self.group = group
@@ -118,7 +118,7 @@ class Q8Linear(Int4Linear):
         # subtle: Int4Linear's __init__ would quantize `weight` to 4 bits; only its forward is shared
         nn.Module.__init__(self)
         out, n = weight.shape
-        if n % group or out % 16:
+        if not packs(weight, group):
             raise ValueError(f"q8 needs in % {group} == 0 and out % 16 == 0, got {(out, n)}")
         self.out_features, self.in_features, self.group = out, 2 * n, group   # the kernel's columns
         g = weight.float().view(out, n // group, group)                   # (out, n/group, group)
@@ -133,6 +133,11 @@ class Q8Linear(Int4Linear):
         return super().forward(torch.cat([x, x], -1))                      # (..., out) bf16
 
 
+def packs(weight: Tensor, group: int = 32) -> bool:
+    """Whether torch's 4-bit kernel takes this (out, in) weight: in whole groups, out in tiles of 16."""
+    return weight.shape[1] % group == 0 and weight.shape[0] % 16 == 0
+
+
 def quantize_int4(model: Llama) -> Llama:
     """Every layer projection -> Int4Linear (from the model's fp32 weights, so that Q4_1 grids
     come back exactly), the LM head -> Q8Linear (under the AVX512 dispatch, where its shape
@@ -144,7 +149,7 @@ def quantize_int4(model: Llama) -> Llama:
     swap_projections(model, Int4Linear)
     tied = model.config.tie_embeddings
     head = w if tied else model.output.weight                          # (V, C)
-    if Q8_HEAD and head.shape[0] % 16 == 0 and head.shape[1] % 32 == 0:   # else prepack's bf16 head
+    if Q8_HEAD and packs(head):                                       # else prepack's bf16 head
         model.packed_head = Q8Linear(head)
         if not tied:
             del model.output

@@ -101,22 +101,26 @@ def test_int4_linear_is_the_dequantized_matmul_in_bf16(out, n):
     torch.testing.assert_close(y.float(), ref, rtol=2e-2, atol=2e-2 * ref.abs().max().item())
 
 
-def test_q8_head_holds_q8_0_weights_to_the_bit():
+def test_q8_head_holds_q8_0_weights():
     # why: the 4-bit path's LM head is GGUF's Q8_0 (the shipped head) read through the 4-bit
-    # kernel as two nibbles; each weight must come back as bf16(d) q exactly, not nearly.
-    # One-hot rows read W column by column; every sum the kernel forms is exact in fp32
+    # kernel as two nibbles; each weight must come back as bf16(d) q. One-hot rows read W
+    # column by column. Where the kernel sums in fp32 (AVX512 and AVX2 dispatches, Zen 5) that
+    # is exact; a CPU whose kernel rounds its dequantized weights to bf16 (AMX tiles) may move
+    # a weight by half a bf16 step, so that much is allowed: 2^-8, where the broken variant's
+    # shift is 8d, at least 6% of a weight
     g = torch.Generator().manual_seed(0)
     out, n = 48, 64
     q = torch.randint(-127, 128, (out, n // 32, 32), generator=g).float()
     q[..., 0] = torch.where(torch.rand(out, n // 32, generator=g) < 0.5, -127.0, 127.0)  # each group's max
     d = (torch.rand(out, n // 32, 1, generator=g) * 0.01 + 1e-3).half().float()       # fp16, as GGUF keeps
     head = packed.Q8Linear((d * q).view(out, n))
-    want = (d.bfloat16().float() * q).view(out, n).t().bfloat16()                     # (n, out)
-    assert torch.equal(head(torch.eye(n)), want)
+    want = (d.bfloat16().float() * q).view(out, n).t()                                # (n, out)
+    close = lambda got: ((got.float() - want).abs() <= 2 ** -8 * want.abs()).all()
+    assert close(head(torch.eye(n)))
     assert head(torch.randn(2, 3, n)).shape == (2, 3, out)
     # the broken variant: the low nibble without its zero (8d) moves every weight by -8d
     head.scales[n // 32:, :, 1] = 0
-    assert not torch.equal(head(torch.eye(n)), want)
+    assert not close(head(torch.eye(n)))
     with pytest.raises(ValueError, match="in % 32"):
         packed.Q8Linear(torch.randn(64, 48))
 

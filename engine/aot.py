@@ -9,11 +9,13 @@ named by everything its code and weights depend on (`key`).
     model = compile_step(build(ckpt, int4=True, dtype=torch.bfloat16), notify=print)
     model = compile_step(..., splits=[20])    # and a self-draft of 20 layers, on graphs of their own
 
-It is exact as the eager exact path is. Its attention is row_attention, which reads the mask's
-values to choose each row's keys, so the graph calls it as an opaque op; and inductor rounds
-bf16 after every op (`emulate_precision_casts`), so a k-row forward's rows get the compiled
-one-row step's bits. Every decoder then prints the compiled plain's tokens, which may differ
-from eager plain's: inductor sums RMSNorm's mean in another order.
+It is exact as the eager exact path is, by its own attention (`graph_attend`): each row over
+its own keys in slot order, summed the same way for any row count, so a k-row forward's rows get
+the compiled one-row step's bits (inductor also rounds bf16 after every op, as eager does).
+Every decoder then prints the compiled plain's tokens, which may differ from eager plain's:
+inductor sums RMSNorm's mean, and attention, in another order. The graph only reads the cache;
+each forward's new K/V come back out and go in with one write (`Compiled`), so no Python runs
+between its kernels (the opaque attention op it called before cost ~16 us a layer: run 29).
 
 An early exit (a self-draft, an amateur) runs its layers [0, L) and the target's [L, n) on
 graphs of their own (`splits`). Runs eager, in every decoder alike: the prompt (no cached
@@ -38,6 +40,7 @@ import warnings
 from pathlib import Path
 from typing import Callable
 
+import numpy as np
 import torch
 from torch import Tensor, nn
 
@@ -48,50 +51,79 @@ from engine.llama import Llama, causal_mask, rope
 from engine.packed import Int4Linear
 
 MOST_ROWS, MOST_SLOTS = 1024, 1 << 20   # the graph's bounds: rows a forward, cache slots
-OPTIONS = {"emulate_precision_casts": True}   # bf16 rounded after every op, as eager does
-
-# the graph's opaque op, one a layer: the layer's K/V write (in place: a traced write is
-# functional, and the graph would copy the whole cache back every layer), then its exact attention
-OPS = torch.library.Library("engine_aot", "DEF")
-OPS.define("attend(Tensor q, Tensor k, Tensor v, Tensor(a!) k_cache, Tensor(b!) v_cache, int layer, Tensor n, "
-           "Tensor mask) -> Tensor")
-
-
-def attend(q: Tensor, k: Tensor, v: Tensor, k_cache: Tensor, v_cache: Tensor, layer: int, n: Tensor,
-           mask: Tensor) -> Tensor:
-    """Layer `layer`'s new K/V (B, Hkv, T, D) into slots [n, n + T) of the (L, B, Hkv, capacity, D)
-    buffers, then row_attention of q (B, H, T, D) over the first S = mask.shape[1] slots."""
-    keys, values = k_cache[layer], v_cache[layer]                     # (B, Hkv, capacity, D)
-    keys.narrow(2, int(n), k.shape[2]).copy_(k)
-    values.narrow(2, int(n), v.shape[2]).copy_(v)
-    S = mask.shape[1]
-    # subtle: plain's one-row step calls it without a mask; the same call gives the same bits
-    plain = q.shape[2] == 1 and bool(mask.numpy().all())         # NumPy: 1 us, torch's all(): ~8
-    return row_attention(q, keys.narrow(2, 0, S), values.narrow(2, 0, S), None if plain else mask).contiguous()
-
-
-OPS.impl("attend", attend, "CompositeExplicitAutograd")
-torch.library.register_fake("engine_aot::attend", lambda q, k, v, kc, vc, layer, n, mask: q.new_empty(q.shape), lib=OPS)
+OPTIONS = {"emulate_precision_casts": True,   # bf16 rounded after every op, as eager does
+           # a value read twice with 4+ reads (RoPE's q and k) is stored, not recomputed per key:
+           # then the cached and the new keys' scores are one and the same reduction (see below)
+           "realize_reads_threshold": 3,
+           # indices are clamped by construction; a bounds check on each key's load cost ~40%
+           "assert_indirect_indexing": False}
+VERSION = "aot 3"   # of the graph: in every key, so a new one is built and priced anew
+KEY_BLOCK = 64   # a row's keys are summed in whole blocks of this many (masked places weigh 0)
 
 
 class Slots:
-    """The cache as the graph sees it (KVCache.append's part): whole buffers and the count n."""
+    """The cache as the graph sees it (KVCache.append's part): read-only buffers, the new rows'
+    visible keys (`new_keys`), and each layer's new K/V, handed back for one write after."""
 
-    def __init__(self, k: Tensor, v: Tensor, n: Tensor):
-        self.k, self.v, self.n = k, v, n
+    def __init__(self, k: Tensor, v: Tensor, which: Tensor, count: Tensor):
+        self.k, self.v, self.which, self.count, self.made = k, v, which, count, []
 
     def append(self, layer: int, k: Tensor, v: Tensor) -> tuple[Slots, Slots]:
-        # subtle: nothing is written yet: the layer's attention (graph_attend) hands its op the new
-        # K/V with its query, one call out of the graph a layer, where two cost ~0.3 ms a step
-        self.new = layer, k, v
+        self.layer, self.new = layer, (k, v)
+        self.made.append((k, v))
         return self, self
 
 
 def graph_attend(q: Tensor, k: Slots, v: Slots, attn_mask: Tensor, enable_gqa: bool = True) -> Tensor:
-    """Attention.attend while the stack is exported: the opaque op, given what `Slots.append` kept."""
-    layer, new_k, new_v = k.new
-    # subtle: the op's fake output is contiguous, so its input must be (q is a view of qkv)
-    return torch.ops.engine_aot.attend(q.contiguous(), new_k, new_v, k.k, k.v, layer, k.n, attn_mask)
+    """Attention.attend while the stack is exported: each row of q (B, H, T, D) over its keys in
+    slot order, the n cached ones then the new ones its mask row shows (k.which, k.count), fp32:
+
+        s_j = (q / sqrt(D)) . K_j,    y = sum_j e^(s_j - max s) V_j / sum_j e^(s_j - max s)
+
+    Those are exactly the keys plain's one-row step had for the row's token (its cache then held
+    the accepted rows before it, in order); so a row gets the one-row step's bits if each sum runs
+    alike for alike keys, and inductor writes one kernel for every row count. Three traps:
+    - a cached key's score and a new key's are two reductions; they must be the same code
+      (OPTIONS' realize_reads_threshold stores q and k, else k's RoPE is recomputed inside one);
+    - sums over j go by vectors with a tail apart, so j runs to a multiple of KEY_BLOCK, the
+      extra places masked: e^-inf is exactly 0 and adds nothing, and no row has a tail;
+    - max, exp and the division are per element; sum_j e V runs j in order per element of D.
+    tests/test_aot.py holds a k-row forward's rows to one-row forwards bit for bit."""
+    s, (new_k, new_v) = k, k.new
+    B, H, T, D = q.shape
+    Hkv = new_k.shape[1]
+    n = attn_mask.shape[1] - T                                        # cached slots
+    S = (n + T + KEY_BLOCK - 1) // KEY_BLOCK * KEY_BLOCK              # places, padded
+    j = torch.arange(S, device=q.device)                              # (S,)
+    cached, slot = j < n, j.clamp(max=n - 1)
+    place = s.which.gather(1, (j - n).clamp(0, T - 1).expand(T, S))   # (T, S): new key at place j
+    seen = cached | ((j - n) < s.count[:, None])                      # (T, S)
+    qg = (q.float() * D ** -0.5).view(B, Hkv, H // Hkv, T, 1, D)     # each kv head serves H/Hkv
+    old = (qg * s.k[s.layer][:, :, None, None, slot].float()).sum(-1)   # (B, Hkv, H/Hkv, T, S)
+    new = (qg * new_k.float()[:, :, None, None]).sum(-1)              # (B, Hkv, H/Hkv, T, T)
+    scores = torch.where(cached, old, new.gather(-1, place.expand(B, Hkv, H // Hkv, T, S)))
+    scores = scores.masked_fill(~seen, float("-inf"))
+    e = torch.exp(scores - scores.amax(-1, keepdim=True))            # masked places: exactly 0
+    values = torch.where(cached[:, None], s.v[s.layer][:, :, None, slot], new_v[:, :, place])   # (B, Hkv, T, S, D)
+    y = (e[..., None] * values.float()[:, :, None]).sum(-2) / e.sum(-1, keepdim=True)   # (B, Hkv, H/Hkv, T, D)
+    return y.view(B, H, T, D).to(q.dtype)
+
+
+PLAIN = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)   # one row, its own key
+
+
+def new_keys(mask: Tensor, n: int) -> tuple[Tensor, Tensor] | None:
+    """For each row of a (T, n + T) mask: the new keys it sees, in slot order (T, T), and how many
+    (T,); None where a row does not see every cached slot (the graph assumes it does)."""
+    T = mask.shape[0]
+    if T == 1 and n + 1 == mask.shape[1] and bool(mask.numpy().all()):   # plain's step
+        return PLAIN
+    visible = mask.cpu().numpy()
+    if not visible[:, :n].all():
+        return None
+    mine = visible[:, n:]                                             # (T, T)
+    order = np.argsort(~mine, axis=1, kind="stable")                  # its keys first, in order
+    return torch.from_numpy(order.astype(np.int64)), torch.from_numpy(mine.sum(1).astype(np.int64))
 
 
 class Stack(nn.Module):
@@ -101,12 +133,13 @@ class Stack(nn.Module):
         super().__init__()
         self.layers, self.start = model.layers[start:stop], start
 
-    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, n: Tensor,
-                mask: Tensor) -> Tensor:
-        slots = Slots(k, v, n)
+    def forward(self, x: Tensor, cos: Tensor, sin: Tensor, k: Tensor, v: Tensor, mask: Tensor,
+                which: Tensor, count: Tensor) -> tuple[Tensor, Tensor, Tensor]:
+        slots = Slots(k, v, which, count)
         for i, block in enumerate(self.layers, self.start):
             x = block(x, None, cos, sin, slots, i, mask)                # (B, T, C)
-        return x
+        made_k, made_v = zip(*slots.made)
+        return x, torch.stack(made_k), torch.stack(made_v)             # and (layers, B, Hkv, T, D) twice
 
 
 class Compiled:
@@ -114,6 +147,7 @@ class Compiled:
 
     def __init__(self, model: Llama, runners: dict[tuple[int, int], Callable], notify: Callable[[str], None]):
         self.model, self.runners, self.notify = model, runners, notify   # (start, stop) -> runner
+        self.version = VERSION
         self.eager = 0     # forwards after a prompt that ran eager and reach the head
 
     def __call__(self, x: Tensor, positions: Tensor, cache=None, mask: Tensor | None = None,
@@ -130,15 +164,23 @@ class Compiled:
         mask = causal_mask(n, T, x.device) if mask is None else mask      # (T, S): S tells the keys
         if mask.shape != (T, n + T):
             raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, n + T)}")
+        rows = new_keys(mask, n)
+        if rows is None:              # a row that does not see every cached slot: eager
+            self.eager += stop in (None, last)
+            return Llama.blocks(m, x, positions, cache, mask, start, stop, keep, trim_layers)
         c = m.config
         cos, sin = rope(positions, c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)   # (T, D) each
         try:
-            return runner(x, cos, sin, cache.k, cache.v, torch.tensor(n), mask)
+            x, k, v = runner(x, cos, sin, cache.k, cache.v, mask.contiguous(), *rows)   # strides as built
         except Exception as e:  # noqa: BLE001 -- a failing library must leave eager working
             self.runners = {}
             self.notify(f"compile: the compiled step failed ({type(e).__name__}: {first_line(e)}); "
                         "eager from here on, so later tokens may differ from a compiled plain run's")
             return self(x, positions, cache, mask, start, stop, keep, trim_layers)
+        layers = slice(start, last if stop is None else stop)
+        cache.k[layers].narrow(3, n, T).copy_(k)     # every layer's new K/V in one write
+        cache.v[layers].narrow(3, n, T).copy_(v)
+        return x
 
 
 def compile_step(model: Llama, notify: Callable[[str], None], folder=None, splits=()) -> Llama:
@@ -205,13 +247,14 @@ def build(model: Llama, start: int, stop: int, path, k: str) -> None:
     rows, slots = Dim("rows", min=1, max=MOST_ROWS), Dim("slots", min=2, max=MOST_SLOTS)
     cap = Dim("capacity", min=2, max=MOST_SLOTS)
     shapes = {"x": {1: rows}, "cos": {0: rows}, "sin": {0: rows}, "k": {3: cap}, "v": {3: cap},
-              "n": None, "mask": {0: rows, 1: slots}}
+              "mask": {0: rows, 1: slots}, "which": {0: rows, 1: rows}, "count": {0: rows}}
     path.parent.mkdir(parents=True, exist_ok=True)
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.pt2")   # the packager wants .pt2
     try:
         for b in model.layers:
             b.attention.attend = graph_attend
-        args = (x, cos, sin, kv, kv.clone(), torch.tensor(n), causal_mask(n, T))
+        mask = causal_mask(n, T)
+        args = (x, cos, sin, kv, kv.clone(), mask, *new_keys(mask, n))
         program = torch.export.export(Stack(model, start, stop), args, dynamic_shapes=shapes, strict=False)
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp), inductor_configs={**OPTIONS, "aot_inductor.metadata": {"engine_key": k}})
@@ -223,8 +266,8 @@ def build(model: Llama, start: int, stop: int, path, k: str) -> None:
         tmp.unlink(missing_ok=True)
 
 
-# a fresh process, as a later run's: import the ops, load the step, run it once on the sample
-TRIAL = ("import sys, torch, engine.aot; "
+# a fresh process, as a later run's: load the step, run it once on the sample
+TRIAL = ("import sys, torch; "
          "torch._inductor.aoti_load_package(sys.argv[1])(*torch.load(sys.argv[2]))")
 
 
@@ -254,8 +297,8 @@ def key(model: Llama) -> str:
     for name, t in model.layers.state_dict().items():
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    eager = model_key(model).removesuffix("|compiled")   # the same whether compiled before or not
-    return f"aot 2|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{eager}|{h.hexdigest()}"
+    eager = model_key(model).removesuffix(f"|compiled {VERSION}")   # the same whether compiled before or not
+    return f"{VERSION}|{KEY_BLOCK}|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{eager}|{h.hexdigest()}"
 
 
 def first_line(e: Exception) -> str:

@@ -6,6 +6,7 @@ compile or load, it says so once and leaves the eager model working.
 Building costs about 30 s for the tiny model here, so one build serves the module.
 """
 import json
+import random
 import subprocess
 import sys
 from pathlib import Path
@@ -90,6 +91,79 @@ def test_k_rows_get_the_compiled_one_row_steps_bits(fast):
     fast(NEXT[:, :1], torch.tensor([300]), cache)
     assert torch.equal(tree[2], fast(torch.tensor([[7]]), torch.tensor([301]), cache)[0, 0])
     assert fast.blocks.eager == 0
+
+
+class Attend(torch.nn.Module):
+    """The graph's attention alone (aot.graph_attend), over one layer's cache and new keys."""
+
+    def forward(self, q, k, v, new_k, new_v, mask, which, count):
+        slots = aot.Slots(k, v, which, count)
+        slots.append(0, new_k, new_v)
+        return aot.graph_attend(q, slots, slots, mask)
+
+
+def test_the_graphs_attention_gives_a_row_the_bits_of_its_one_row_step(tmp_path):
+    # Why: the bits a decoder's verify rows need are decided here, in fp32, before the bf16 of
+    # the residual stream hides most of them (a whole-model test sees few flips). Random trees
+    # over up to 200 cached keys: each row, against the row alone with its ancestors cached in
+    # order. Caught broken variant: the new keys' scores by matmul (150 of 204 rows differed)
+    from torch.export import Dim
+    g = torch.Generator().manual_seed(0)
+    H, Hkv, D = 9, 3, 64                                                     # SmolLM2's heads
+
+    def rand(*shape):
+        return torch.randn(*shape, generator=g)
+    mask = torch.ones(7, 18, dtype=torch.bool).tril(11)
+    sample = (rand(1, H, 7, D), rand(1, 1, Hkv, 29, D), rand(1, 1, Hkv, 29, D), rand(1, Hkv, 7, D),
+              rand(1, Hkv, 7, D), mask, *aot.new_keys(mask, 11))
+    rows, slots, cap = Dim("rows", min=1, max=64), Dim("slots", min=2, max=4096), Dim("cap", min=2, max=4096)
+    shapes = {"q": {2: rows}, "k": {3: cap}, "v": {3: cap}, "new_k": {2: rows}, "new_v": {2: rows},
+              "mask": {0: rows, 1: slots}, "which": {0: rows, 1: rows}, "count": {0: rows}}
+    program = torch.export.export(Attend(), sample, dynamic_shapes=shapes, strict=False)
+    attend = torch._inductor.aoti_load_package(torch._inductor.aoti_compile_and_package(
+        program, package_path=str(tmp_path / "attend.pt2"), inductor_configs=dict(aot.OPTIONS)))   # it adds to it
+    rnd, differ, rows_seen = random.Random(0), 0, 0
+    for _ in range(30):
+        n, T = rnd.randint(1, 200), rnd.randint(2, 12)
+        parent = [-1] + [rnd.randint(-1, r - 1) for r in range(1, T)]       # a tree, as lookahead's
+        chains = []
+        for r in range(T):
+            chain, p = [r], parent[r]
+            while p >= 0:
+                chain, p = [p] + chain, parent[p]
+            chains.append(chain)                                              # ancestors, then r
+        mask = torch.zeros(T, n + T, dtype=torch.bool)
+        mask[:, :n] = True
+        for r, chain in enumerate(chains):
+            mask[r, [n + a for a in chain]] = True
+        q, k, v, new_k, new_v = rand(1, H, T, D), rand(1, 1, Hkv, n + T, D), rand(1, 1, Hkv, n + T, D), \
+            rand(1, Hkv, T, D), rand(1, Hkv, T, D)
+        got = attend(q, k, v, new_k, new_v, mask, *aot.new_keys(mask, n))   # (1, H, T, D)
+        for r, chain in enumerate(chains):
+            k1, v1, m = k.clone(), v.clone(), n + len(chain) - 1             # plain's cache then
+            k1[0, :, :, n:m], v1[0, :, :, n:m] = new_k[:, :, chain[:-1]], new_v[:, :, chain[:-1]]
+            alone = torch.ones(1, m + 1, dtype=torch.bool)
+            one = attend(q[:, :, r:r + 1].contiguous(), k1, v1, new_k[:, :, r:r + 1].contiguous(),
+                         new_v[:, :, r:r + 1].contiguous(), alone, *aot.new_keys(alone, m))
+            differ += not torch.equal(one[:, :, 0], got[:, :, r])
+            rows_seen += 1
+    assert differ == 0, f"{differ} of {rows_seen} rows differ from their one-row step"
+
+
+def test_a_row_that_does_not_see_every_cached_slot_runs_eager_and_is_counted(fast):
+    # Why: the graph assumes every row sees the whole cache (every decoder's rows do); a mask
+    # that hides a cached slot must not be given to it. Caught broken variant: new_keys not
+    # checking (the hidden key was attended to)
+    before, mask = fast.blocks.eager, torch.ones(1, 7, dtype=torch.bool)
+    mask[0, 2] = False                                                         # slot 2 hidden
+    got = []
+    for model in (fast, int4()):                                               # compiled, eager
+        cache = KVCache.for_model(model, 20)
+        model(PROMPT, torch.arange(6), cache)
+        got.append(model(NEXT[:, :1], torch.tensor([6]), cache, mask=mask)[0, 0])
+    assert torch.equal(*got) and aot.new_keys(mask, 6) is None
+    assert fast.blocks.eager == before + 1
+    fast.blocks.eager = before                                                 # as the fixture was
 
 
 def test_every_decoder_prints_the_compiled_plains_tokens(fast):

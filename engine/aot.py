@@ -115,9 +115,6 @@ PLAIN = torch.zeros(1, 1, dtype=torch.long), torch.ones(1, dtype=torch.long)   #
 def new_keys(mask: Tensor, n: int) -> tuple[Tensor, Tensor] | None:
     """For each row of a (T, n + T) mask: the new keys it sees, in slot order (T, T), and how many
     (T,); None where a row does not see every cached slot (the graph assumes it does)."""
-    T = mask.shape[0]
-    if T == 1 and n + 1 == mask.shape[1] and bool(mask.numpy().all()):   # plain's step
-        return PLAIN
     visible = mask.cpu().numpy()
     if not visible[:, :n].all():
         return None
@@ -161,10 +158,12 @@ class Compiled:
             return Llama.blocks(m, x, positions, cache, mask, start, stop, keep, trim_layers)
         if n + T > cache.capacity:   # KVCache.append's check, made before the compiled call
             raise ValueError(f"KV cache full: {n} + {T} slots > capacity {cache.capacity}")
+        # plain's step (no mask, one row) sees every key: known without reading a mask back
+        rows = PLAIN if mask is None and T == 1 else None
         mask = causal_mask(n, T, x.device) if mask is None else mask      # (T, S): S tells the keys
         if mask.shape != (T, n + T):
             raise ValueError(f"mask is {tuple(mask.shape)}, expected {(T, n + T)}")
-        rows = new_keys(mask, n)
+        rows = rows or new_keys(mask, n)
         if rows is None:              # a row that does not see every cached slot: eager
             self.eager += stop in (None, last)
             return Llama.blocks(m, x, positions, cache, mask, start, stop, keep, trim_layers)

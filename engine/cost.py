@@ -83,18 +83,34 @@ def table_from(d, path: str | Path) -> dict[int, float]:
 # row counts measured, interpolated between: torch's int4 kernel costs steps of four rows (5
 # rows as much as 8: docs/speed.md, run 11), so both ends of each step are measured up to 16
 ROW_COUNTS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 24, 32)
+HOW = "paired medians, with the step after"   # in the kept table's key: a new way measures anew
 
 
-def measure(model: Llama, ks=ROW_COUNTS, context: int = 100, repeats: int = 3) -> dict[int, float]:
-    """cost(k)/cost(1) on this machine: the fastest of `repeats` k-row forwards after a cache of
-    `context` tokens (the fastest, because a busy spell only ever adds time)."""
+def measure(model: Llama, ks=ROW_COUNTS, context: int = 100, repeats: int = 7) -> dict[int, float]:
+    """cost(k)/cost(1) on this machine, as a decoder pays it between one-row steps:
+
+        a, b, c = one-row, k-row, one-row forwards, in a row, after a cache of `context` tokens
+        cost(k) = median over `repeats` of (b + c - a) / a
+
+    subtle: each k-row forward is timed beside the one-row forward just before it, so a slow
+    spell weighs on both; and it is charged what it costs the step after it (on a Zen 5, a
+    one-row step right after one of 5 rows or more takes ~1.2x). The fastest of a few, the old
+    rule, caught k-row forwards on lucky spells: 3 rows 1.25x, where the loop paid 1.35x."""
     cache = KVCache.for_model(model, context + max(ks))
-    forward_seconds(model, cache, 0, context)
-    best = {}
-    for k in [1, *ks] * repeats:                       # the first k = 1 warms the kernels up
-        best[k] = min(best.get(k, math.inf), forward_seconds(model, cache, context, k))
+
+    def seconds(k: int) -> float:
+        t = forward_seconds(model, cache, context, k)
         cache.truncate(context)
-    return {k: max(best[k] / best[1], 1.0) for k in ks}
+        return t
+
+    forward_seconds(model, cache, 0, context)
+    seconds(1)                                         # warms the kernels up
+    ratios: dict[int, list[float]] = {k: [] for k in ks if k > 1}
+    for _ in range(repeats):
+        for k in ratios:
+            a, b, c = seconds(1), seconds(k), seconds(1)
+            ratios[k].append((b + c - a) / a)
+    return {1: 1.0} | {k: max(sorted(r)[len(r) // 2], 1.0) for k, r in ratios.items()}
 
 
 def forward_seconds(model: Llama, cache: KVCache, start: int, k: int) -> float:
@@ -112,7 +128,7 @@ def calibrated(model: Llama, folder: Path | None = None,
     None where it cannot be kept (the policy then prices by policy.SLOPE)."""
     def table() -> dict:
         return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in measure(model).items()}}}
-    found = kept(f"{model_key(model)}|{ROW_COUNTS}", table, folder, notify)   # a new ROW_COUNTS measures anew
+    found = kept(f"{model_key(model)}|{ROW_COUNTS}|{HOW}", table, folder, notify)
     return None if found is None else table_from(*found)
 
 

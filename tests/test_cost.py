@@ -121,6 +121,28 @@ def test_a_machine_is_measured_once_and_every_run_reads_the_same_table(tmp_path,
     assert cost.measure(model) != cost.measure(model)
 
 
+def test_a_k_row_forward_is_priced_beside_its_one_row_neighbour_and_charged_the_step_after(monkeypatch):
+    # Why: the table must say what a decoder pays. A scripted clock: k rows take 1 + 0.2 (k - 1)
+    # units; a one-row forward right after one of 5 rows or more takes 1.3 (what a Zen 5 showed);
+    # and every 5th forward runs in a busy spell at twice the time. The price of k rows is then
+    # 1 + 0.2 (k - 1), plus 0.3 from k = 5 on: exactly, for every k, busy spells and all.
+    # Caught broken variants: the old rule (fastest k-row / fastest one-row of three rounds)
+    # and b / a alone both miss the step after (8 rows at 2.4, not 2.7); taking the one-row
+    # forward after as the baseline misprices every k >= 5.
+    calls, last = itertools.count(), [1]
+
+    def seconds(model, cache, start, k):
+        slow = 2.0 if next(calls) % 5 == 4 else 1.0
+        t = 1 + 0.2 * (k - 1) if k > 1 else (1.3 if last[0] >= 5 else 1.0)
+        last[0] = k
+        return slow * t
+
+    monkeypatch.setattr(cost, "forward_seconds", seconds)
+    monkeypatch.setattr(cost.KVCache, "truncate", lambda self, n: None)
+    table = cost.measure(tiny_llama(0))
+    assert table == {k: pytest.approx(1 + 0.2 * (k - 1) + 0.3 * (k >= 5)) for k in cost.ROW_COUNTS}
+
+
 def test_a_lost_race_to_write_the_table_uses_the_winners(tmp_path, monkeypatch):
     # Why: two first runs at once both measure; both must then price with the one file kept
     model = tiny_llama(0)

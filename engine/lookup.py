@@ -32,12 +32,19 @@ def find(text: list[int], ngram: int, k: int) -> tuple[list[int], int, int]:
 
     Example: text=[5, 6, 7, 9, 5, 6], ngram=2, k=3 -> ([7, 9, 5], 2, 0).
     """
-    for n in range(min(ngram, len(text) - 1), 0, -1):
-        tail = text[-n:]
-        for i in range(len(text) - n - 1, -1, -1):   # latest first; a match ends before the tail does
-            if text[i:i + n] == tail:
-                return text[i + n:i + n + k], n, i
-    return [], 0, -1
+    last, best, at = len(text) - 1, 0, -1
+    # subtle: a match of any n ends at an earlier copy of the last token, so one pass over those
+    # (latest first, each grown backwards to at most `ngram`) finds the longest and latest
+    ends = [j for j, t in enumerate(text[:-1]) if t == text[-1]] if ngram >= 1 else []
+    for j in reversed(ends):
+        n = 1
+        while n < ngram and n <= j and text[j - n] == text[last - n]:
+            n += 1
+        if n > best:
+            best, at = n, j + 1 - n
+            if n == ngram:
+                break
+    return (text[at + best:at + best + k], best, at) if best else ([], 0, -1)
 
 
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,

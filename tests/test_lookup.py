@@ -93,6 +93,26 @@ def test_find_takes_the_latest_match_of_the_longest_suffix(text, N, K, want):
     assert lookup.find(text, N, K) == want
 
 
+def scan(text, ngram, k):
+    """find()'s definition, read literally: n from ngram down, the latest i whose n tokens are
+    text's last n and end before them."""
+    for n in range(min(ngram, len(text) - 1), 0, -1):
+        for i in range(len(text) - n - 1, -1, -1):
+            if text[i:i + n] == text[-n:]:
+                return text[i + n:i + n + k], n, i
+    return [], 0, -1
+
+
+@settings(max_examples=400, deadline=None)
+@given(st.lists(st.integers(0, 3), max_size=40), st.integers(0, 5), st.integers(0, 9))
+def test_find_is_its_definition_on_any_text(text, N, K):
+    # Why: find() runs one pass over the earlier copies of the last token, not the definition's
+    # scan per n; a small alphabet makes long, repeated and overlapping matches common.
+    # Caught broken variant: growing the match from the earliest copy first (ties go to the
+    # earliest occurrence) fails here; so does stopping at the first copy found.
+    assert lookup.find(text, N, K) == scan(text, N, K)
+
+
 def test_bad_knobs_are_an_error_before_the_first_token():
     with pytest.raises(ValueError, match="lookup_ngram"):
         next(lookup.decode(tiny_llama(0), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4, lookup_ngram=0))

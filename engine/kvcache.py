@@ -116,11 +116,12 @@ class KVCache:
 
         Example: length=10, keep(6, [7, 9]) -> slot 7 moves to 6, slot 9 to 7, length=8.
         """
-        slots = torch.as_tensor(slots, dtype=torch.long, device=self.k.device)
-        if len(slots) and (slots.min() < n or slots.max() >= self.length):
+        slots, m = [int(s) for s in slots], len(slots)
+        if m and (min(slots) < n or max(slots) >= self.length):
             raise ValueError(f"keep({n}, ...): slots must lie in [{n}, {self.length})")
-        m = len(slots)
-        # subtle: advanced indexing copies first, so overlapping source/target ranges are safe
-        self.k[:, :, :, n:n + m] = self.k[:, :, :, slots]
-        self.v[:, :, :, n:n + m] = self.v[:, :, :, slots]
+        if slots != list(range(n, n + m)):   # none, or a chain's first rows: in place already
+            at = torch.tensor(slots, dtype=torch.long, device=self.k.device)
+            # subtle: advanced indexing copies first, so overlapping source/target ranges are safe
+            self.k[:, :, :, n:n + m] = self.k[:, :, :, at]
+            self.v[:, :, :, n:n + m] = self.v[:, :, :, at]
         self.length = n + m

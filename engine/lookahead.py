@@ -43,6 +43,8 @@ from engine.llama import Llama
 from engine.lookup import find
 from engine.sampling import Random, Sampler, verify_match
 
+NO_GUESSES = torch.zeros(0, 0, dtype=torch.long)   # candidates (0, 0) of a step that guesses nothing
+
 
 # --------------------------------------------------------------------------- n-gram pool
 
@@ -229,10 +231,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         base = cache.length + len(prefix)                             # slot and position of x
         logits = forward(model, cache, prefix, tokens, parent, keep, trim)  # (len(keep), V)
         at = {r: i for i, r in enumerate(keep)}
-        span = len(grams[0]) if grams else 0                          # N-1, or the copy's length
-        idx = torch.tensor([[at[r] for r in path] for path in paths], dtype=torch.long)
-        rows = logits[idx.view(len(grams), span).to(logits.device)]   # (G', span, V)
-        cand = torch.tensor(grams, dtype=torch.long).view(len(grams), span)  # (G', span)
+        rows, cand = guessed(logits, at, paths, grams)                # (G', n, V), (G', n)
         out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
         m = len(out) - 1                                              # guess tokens accepted
         cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
@@ -268,6 +267,16 @@ def candidates(pool: Pool, text: list[int], G: int, N: int) -> list[tuple[int, .
     copy = tuple(find(text, N - 1, N - 1)[0])
     lead = [copy] if len(copy) == N - 1 else []
     return (lead + [g for g in pool.guesses(text[-1]) if g != copy])[:G]
+
+
+def guessed(logits: Tensor, at: dict[int, int], paths: list[list[int]],
+            grams: list[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
+    """verify_match's rows (G', n, V) and candidates (G', n): each guess's logits, its tokens;
+    n = N-1, or the copy's length. `at` maps a step row to its row of `logits`."""
+    if not grams:   # subtle: right after a forward each tensor op costs ~10 us (cold caches)
+        return logits[:0, None][:, :0], NO_GUESSES                    # views, no op run
+    rows = logits[[at[r] for path in paths for r in path]]           # (G' n, V)
+    return rows.view(len(grams), len(grams[0]), -1), torch.tensor(grams, dtype=torch.long)
 
 
 def advance(pool: Pool, levels: list[list[int]], x: int, new: list[int]) -> list[list[int]]:

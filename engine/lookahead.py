@@ -274,7 +274,7 @@ def guessed(logits: Tensor, at: dict[int, int], paths: list[list[int]],
     """verify_match's rows (G', n, V) and candidates (G', n): each guess's logits, its tokens;
     n = N-1, or the copy's length. `at` maps a step row to its row of `logits`."""
     if not grams:   # subtle: right after a forward each tensor op costs ~10 us (cold caches)
-        return logits[:0, None][:, :0], NO_GUESSES                    # views, no op run
+        return logits[:0, None][:, :0], NO_GUESSES                    # views: no kernel runs
     rows = logits[[at[r] for path in paths for r in path]]           # (G' n, V)
     return rows.view(len(grams), len(grams[0]), -1), torch.tensor(grams, dtype=torch.long)
 

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from conftest import prompt_for, run, tiny_llama
-from engine import aot, lookahead, lookup, packed, speculative
+from engine import aot, llama, lookahead, lookup, packed, speculative
 from engine.draft import SelfDraft
 from engine.generate import plain
 from engine.invariant import row_attention
@@ -164,6 +164,17 @@ def test_a_row_that_does_not_see_every_cached_slot_runs_eager_and_is_counted(fas
     assert torch.equal(*got) and aot.new_keys(mask, 6) is None
     assert fast.blocks.eager == before + 1
     fast.blocks.eager = before                                                 # as the fixture was
+
+
+@pytest.mark.parametrize("n,T", [(1, 1), (5, 1), (0, 2), (9, 2), (3, 5), (40, 9)])
+def test_a_causal_chains_known_keys_are_the_ones_its_mask_would_give(n, T):
+    # Why: plain's steps and copies skip reading their keys back from the mask (Compiled.chain);
+    # what they skip must be what the mask says, for any cache length. Caught broken variant:
+    # a chain whose rows each count all T new keys
+    compiled = aot.Compiled(tiny_llama(0), {}, print)
+    which, count = compiled.chain(T)
+    want_which, want_count = aot.new_keys(llama.causal_mask(n, T), n)
+    assert torch.equal(which, want_which) and torch.equal(count, want_count)
 
 
 def test_every_decoder_prints_the_compiled_plains_tokens(fast):

@@ -43,9 +43,6 @@ from engine.llama import Llama
 from engine.lookup import find
 from engine.sampling import Random, Sampler, verify_match
 
-NO_GUESSES = torch.zeros(0, 0, dtype=torch.long)   # candidates (0, 0) of a step that guesses nothing
-
-
 # --------------------------------------------------------------------------- n-gram pool
 
 class Pool:
@@ -231,8 +228,11 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         base = cache.length + len(prefix)                             # slot and position of x
         logits = forward(model, cache, prefix, tokens, parent, keep, trim)  # (len(keep), V)
         at = {r: i for i, r in enumerate(keep)}
-        rows, cand = guessed(logits, at, paths, grams)                # (G', n, V), (G', n)
-        out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
+        if grams:
+            rows, cand = guessed(logits, at, paths, grams)            # (G', n, V), (G', n)
+            out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
+        else:   # nothing guessed: plain's own draw (what verify_match would do, with fewer ops)
+            out, best = [sampler.draw(logits[at[0]], rng, "token", base + 1)], 0
         m = len(out) - 1                                              # guess tokens accepted
         cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
         arm = "" if not policy else "copy" if copy else f"W{w} G{g}" if w + g else "plain"
@@ -273,9 +273,11 @@ def guessed(logits: Tensor, at: dict[int, int], paths: list[list[int]],
             grams: list[tuple[int, ...]]) -> tuple[Tensor, Tensor]:
     """verify_match's rows (G', n, V) and candidates (G', n): each guess's logits, its tokens;
     n = N-1, or the copy's length. `at` maps a step row to its row of `logits`."""
-    if not grams:   # subtle: right after a forward each tensor op costs ~10 us (cold caches)
-        return logits[:0, None][:, :0], NO_GUESSES                    # views: no kernel runs
-    rows = logits[[at[r] for path in paths for r in path]]           # (G' n, V)
+    at_rows = [at[r] for path in paths for r in path]
+    # subtle: right after a forward each tensor op costs ~10 us (cold caches); a copy's rows
+    # are one run of logits' rows, so a view of them copies nothing
+    run = at_rows == list(range(at_rows[0], at_rows[0] + len(at_rows)))
+    rows = logits[at_rows[0]:at_rows[0] + len(at_rows)] if run else logits[at_rows]   # (G' n, V)
     return rows.view(len(grams), len(grams[0]), -1), torch.tensor(grams, dtype=torch.long)
 
 

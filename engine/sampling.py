@@ -231,13 +231,13 @@ def verify_match(first: Tensor, rows: Tensor, candidates: Tensor, sampler: Sampl
     if V < 0 or candidates.dim() != 2 or tuple(rows.shape) != (*candidates.shape, V):
         raise ValueError(f"verify_match needs first (V,), candidates (G, n), rows (G, n, V); got "
                          f"{tuple(first.shape)}, {tuple(candidates.shape)}, {tuple(rows.shape)}")
-    if candidates.numel() and not (candidates.dtype in (torch.int64, torch.int32)
-                                   and bool(((candidates >= 0) & (candidates < V)).all())):
+    ids = candidates.tolist()   # read once: one tensor op per element costs more than the draw
+    if ids and not (candidates.dtype in (torch.int64, torch.int32) and all(0 <= t < V for c in ids for t in c)):
         raise ValueError(f"candidates must be token ids in [0, {V}), got {candidates.flatten().tolist()[:8]}")
     y = sampler.draw(first, rng, "token", position)
-    out, alive, best = [y], list(range(len(candidates))), 0
-    for j in range(candidates.shape[1] if len(candidates) else 0):
-        alive = [g for g in alive if int(candidates[g, j]) == y]
+    out, alive, best = [y], list(range(len(ids))), 0
+    for j in range(candidates.shape[1] if ids else 0):
+        alive = [g for g in alive if ids[g][j] == y]
         if not alive:
             break
         best = alive[0]

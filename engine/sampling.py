@@ -232,7 +232,8 @@ def verify_match(first: Tensor, rows: Tensor, candidates: Tensor, sampler: Sampl
         raise ValueError(f"verify_match needs first (V,), candidates (G, n), rows (G, n, V); got "
                          f"{tuple(first.shape)}, {tuple(candidates.shape)}, {tuple(rows.shape)}")
     ids = candidates.tolist()   # read once: one tensor op per element costs more than the draw
-    if ids and not (candidates.dtype in (torch.int64, torch.int32) and all(0 <= t < V for c in ids for t in c)):
+    if candidates.numel() and not (candidates.dtype in (torch.int64, torch.int32)
+                                   and all(0 <= t < V for c in ids for t in c)):
         raise ValueError(f"candidates must be token ids in [0, {V}), got {candidates.flatten().tolist()[:8]}")
     y = sampler.draw(first, rng, "token", position)
     out, alive, best = [y], list(range(len(ids))), 0

@@ -89,10 +89,10 @@ def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
     monkeypatch.setitem(bench.CONFIGS, "speculative L=20 adaptive", ("speculative", SelfDraft(1), dict(adaptive=True)))
     configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
     assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile",
-                            "speculative L=20 adaptive --compile"}
+                            "speculative L=20 adaptive --compile", "plain again --compile"}
     table = bench.compare(tiny_llama(0, vocab=8), {"a": [[1, 2, 3, 1, 2, 3]]}, configs, repeats=1, max_new_tokens=10)
     assert table["plain --compile"]["a"]["same_tokens_as_plain"] == 0.0     # another path
-    for name in ("lookahead auto", "lookup", "speculative L=20 adaptive"):
+    for name in ("lookahead auto", "lookup", "speculative L=20 adaptive", "plain again"):
         assert table[f"{name} --compile"]["a"]["same_tokens_as_plain"] == 1.0
 
 
@@ -101,9 +101,11 @@ def test_a_row_is_compared_with_plain_on_its_own_path():
     # model and kernels; a plain row of another path is itself a speed-up over plain
     from tools.bench import baseline
     configs = ["plain", "plain --int4", "lookahead auto --int4", "plain --int4 --compile",
-               "lookup --int4 --compile", "lookup --compile", "speculative int4 adaptive"]
+               "lookup --int4 --compile", "lookup --compile", "speculative int4 adaptive",
+               "plain again --int4 --compile", "plain again"]
     assert [baseline(n, configs) for n in configs] == [
-        "plain", "plain", "plain --int4", "plain", "plain --int4 --compile", "plain", "plain"]
+        "plain", "plain", "plain --int4", "plain", "plain --int4 --compile", "plain", "plain",
+        "plain --int4 --compile", "plain"]
 
 
 def test_a_text_only_reference_is_a_row_whose_tokens_are_not_compared():

@@ -236,17 +236,19 @@ def baseline(name: str, configs) -> str:
     ("lookup --int4 --compile" -> "plain --int4 --compile") where the run has it, else plain.
     A plain row of another path ("plain --int4") is compared with plain: that is its speed-up."""
     flags = name[name.find(" --"):] if " --" in name else ""
-    return f"plain{flags}" if flags and not name.startswith("plain") and f"plain{flags}" in configs else "plain"
+    own = flags and name[:-len(flags)] != "plain"   # "plain again --compile" too: its path's noise
+    return f"plain{flags}" if own and f"plain{flags}" in configs else "plain"
 
 
 def compiled_configs(checkpoint: Path, suffix: str, eos_ids, max_new_tokens: int) -> dict:
-    """`--compile`: plain, lookahead auto, lookup and speculative with a 20-layer self-draft (its
-    halves on graphs of their own) on the exact 4-bit path compiled ahead of time (engine/aot.py,
-    the CLI's --compile), each held to the compiled plain's tokens (`baseline`)."""
+    """`--compile`: plain, lookahead auto, lookup, speculative with a 20-layer self-draft (its
+    halves on graphs of their own) and plain again (the noise) on the exact 4-bit path compiled
+    ahead of time (engine/aot.py, the CLI's --compile), each held to the compiled plain's tokens
+    (`baseline`)."""
     draft = CONFIGS["speculative L=20 adaptive"][1].layers
     model = compile_step(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress, splits=[draft])
     names = {f"{name}{suffix} --compile": name
-             for name in ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive")}
+             for name in ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive", "plain again")}
     return {mine: (lambda p, c=CONFIGS[name]: decode_once(model, p, c, max_new_tokens, eos_ids))
             for mine, name in names.items()}
 
@@ -548,8 +550,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true",
-                   help="add plain, lookahead auto, lookup and speculative L=20 adaptive on the exact 4-bit path "
-                        "compiled ahead of time "
+                   help="add plain, lookahead auto, lookup, speculative L=20 adaptive and plain again on the exact "
+                        "4-bit path compiled ahead of time "
                         "(engine/aot.py, the CLI's --compile; built once), held to the compiled plain's tokens")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits (and the head in 8 under an AVX-512 dispatch), bf16 activations "

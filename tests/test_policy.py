@@ -518,11 +518,24 @@ def test_lookup_sends_the_copy_length_its_policy_says(monkeypatch):
 
 def test_a_copy_is_sent_only_when_it_beats_the_best_strictly():
     # Why: a fixed example at the boundary the drawn price lists only cross by luck: one guessed
-    # token at the prior (1/2) on a flat price list makes 1.5 tokens for 1 unit.
+    # token at the prior (1/2, after a two-token match) on a flat price list makes 1.5 tokens for 1 unit.
     copier = policy.CopyLength(lambda k: 1.0)
-    assert copier.length([5, 6, 5], [6], 1, beat=1.5) == 0
-    assert copier.length([5, 6, 5], [6], 1, beat=1.49) == 1
-    assert copier.length([5, 6, 5], [6], 1, beat=1.0, room=0) == 0          # no budget left, no guess
+    assert copier.length([5, 6, 7, 5, 6], [7], 2, beat=1.5) == 0
+    assert copier.length([5, 6, 7, 5, 6], [7], 2, beat=1.49) == 1
+    assert copier.length([5, 6, 7, 5, 6], [7], 2, beat=1.0, room=0) == 0    # no budget left, no guess
+
+
+def test_a_one_token_match_is_doubted_from_its_first_failure():
+    # Why: the token after a one-token match agrees about 1 time in 5 (0.17 and 0.19 over two
+    # prompt sets), so at a two-row price of 1.15 one failure must stop such copies, where a
+    # two-token match's copy (prior 1/2) is still worth its row after one failure. Caught
+    # broken variant: the prior 1/2 for every (n, j) (the one-token copy is sent again).
+    cost = lambda k: 1 + 0.15 * (k - 1)
+    one, two = policy.CopyLength(cost), policy.CopyLength(cost)
+    assert one.length([5, 6, 5], [6], 1) == 1                             # p = 0.2: 1.2 / 1.15 > 1
+    assert one.length([5, 6, 5, 9], [6], 1) == 0                          # 0.2 / 2 = 0.1: 1.1 / 1.15 < 1
+    assert two.length([5, 6, 7, 5, 6], [7], 2) == 1
+    assert two.length([5, 6, 7, 5, 6, 9, 5, 6], [7], 2) == 1              # 0.5 / 2: 1.25 / 1.15 > 1
 
 
 def test_k_zero_probes_after_exactly_probe_plain_steps_then_twice_as_many():

@@ -42,6 +42,21 @@ def test_row_cost_follows_the_matmul_kind_and_a_measured_table():
     assert [rows(k) for k in (1, 2, 4, 6, 8, 12)] == pytest.approx([1.0, 1.1, 1.3, 1.7, 2.1, 2.9])
 
 
+def test_lookahead_and_lookup_pay_each_row_past_the_first_doubt_times_its_price():
+    # Why: their choices are the best of noisy estimates (the optimizer's curse) and a kept price
+    # is one moment's, so the policies the registry builds charge DOUBT x each extra row; a copy
+    # that would pay at the table's price but not at the doubted one is not sent. Caught broken
+    # variant: for_lookahead and for_lookup built on the raw row_cost (1.2 here, not 1.25).
+    model, table = tiny_llama(0), {1: 1.0, 2: 1.2, 4: 1.6}
+    ahead, copier = policy.for_lookahead(model, Prices(table), {}), policy.for_lookup(model, Prices(table), {})
+    assert policy.DOUBT == 1.25
+    for cost in (ahead.copier.cost, ahead.arms.cost, copier.cost):
+        assert [cost(k) for k in (1, 2, 3, 4)] == pytest.approx([1.0, 1.25, 1.5, 1.75])
+    text = [5, 6, 7, 5, 6]                      # a two-token match: p = 1/2 at the prior
+    assert policy.CopyLength(policy.row_cost(model, {1: 1.0, 2: 1.45})).length(text, [7], 2) == 1   # 1.5 / 1.45
+    assert policy.for_lookup(model, Prices({1: 1.0, 2: 1.45}), {}).length(text, [7], 2) == 0          # 1.5 / 1.5625
+
+
 def test_layer_shares_add_up_to_a_forward_less_its_head():
     model = tiny_llama(0, n_layers=4)
     c = model.config

@@ -268,8 +268,8 @@ def test_priced_copy_guesses_long_where_the_text_repeats():
 
 def test_priced_copy_declines_where_copies_fail():
     # Why: "never lose": where copies rarely agree (random tokens: 1 in 8), a guessed row at
-    # 0.3 of a forward costs more than it buys. The prior (1 in 2) guesses at first; what the
-    # text teaches stops it. On a flat price list (a GPU) the same chances are worth a guess.
+    # 0.3 of a forward costs more than it buys. The prior (1 in 2 after a match of two tokens or
+    # more) guesses at first; what the text teaches stops it. On a flat price list (a GPU) the same chances are worth a guess.
     text = torch.randint(0, 8, (300,), generator=torch.Generator().manual_seed(0)).tolist()
     steep = priced_guesses(text, lambda k: 1 + 0.3 * (k - 1))
     assert any(steep[:20]) and sum(map(bool, steep[-150:])) <= 3

@@ -13,7 +13,8 @@ is made from the tokens seen and fixed prices, never the clock: the same command
 machine print the same tokens, and a policy moves the speed, never the tokens.
 
     cost(k rows) = 1 + slope (k - 1)      a k-row forward in one-row forwards, or a table
-                                          measured once on this machine (engine/cost.py)
+                                          measured once on this machine (engine/cost.py);
+                                          lookahead and lookup pay DOUBT x each row past the first
 """
 from __future__ import annotations
 
@@ -196,7 +197,8 @@ class CopyLength:
             self.pending.append((len(text), n, proposal))
         best, cut, tokens, alive = beat, 0, 1.0, 1.0
         for j in range(min(len(proposal), len(proposal) if room is None else room)):
-            alive *= (self.agreed[n, j] + (0.2 if (n, j) == (1, 0) else 0.5)) / (self.checked[n, j] + 1)
+            a = 0.2 if (n, j) == (1, 0) else 0.5                       # the prior (above)
+            alive *= (self.agreed[n, j] + a) / (self.checked[n, j] + 1)
             tokens += alive
             if tokens / self.cost(j + 2) > best:
                 best, cut = tokens / self.cost(j + 2), j + 1

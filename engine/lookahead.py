@@ -43,6 +43,7 @@ from engine.llama import Llama
 from engine.lookup import find
 from engine.sampling import Random, Sampler, verify_match
 
+
 # --------------------------------------------------------------------------- n-gram pool
 
 class Pool:

@@ -10,21 +10,18 @@ column is a chain whose newest row predicts one more token, which closes an n-gr
 and becomes the next level. The guesses are checked with `verify_match`, so the output is plain
 decoding's, greedy or sampled.
 
-Choices where LADE and llama.cpp differ (small samples below; the benchmark has the last word):
+Choices where LADE and llama.cpp differ (the bench has the last word):
 - The window starts full, copied diagonally from the prompt (column k reads prompt[k:k+N-1]):
-  no warm-up steps, every step after the prompt's has one shape, and no random source is needed.
-- The window moves one column per step, whatever was accepted (LADE). Shifting one column per
-  accepted token (llama.cpp) keeps positions aligned but needs filler tokens, and did no better:
-  SmolLM2-135M, 6 chat prompts x 64 greedy tokens, 1.43 vs 1.41 tokens/forward (W5 N4 G5),
-  1.43 vs 1.38 (W7 N5 G7); tiny random models: within 0.05 either way.
+  no warm-up steps and no random source.
+- The window moves one column per step, whatever was accepted (LADE); llama.cpp's shift per
+  accepted token needs filler tokens and did no better (SmolLM2-135M, 6 chat prompts x 64
+  greedy tokens, W5 N4 G5: 1.43 vs 1.41 tokens a forward).
 - A full match also emits the bonus token: up to N tokens per forward (LADE stops at N-1).
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
-- The pool holds the prompt's n-grams, every emitted n-gram and the window's n-grams; the
-  first guess is prompt lookup's (engine/lookup.py): its longest match of up to N-1 tokens.
-- A policy (engine/policy.py) may send a copy of the text instead (up to 8 tokens, so up to 9
-  per forward), or fewer columns: on 14 bench prompts priced by an AVX2 EPYC's cost table,
-  median tokens per unit of cost 1.00 -> 1.11 (docs/speed.md). The columns it does not send
-  keep their levels until it sends them again.
+- The pool holds the prompt's, the emitted and the window's n-grams; the first guess is
+  prompt lookup's (engine/lookup.py): its longest match of up to N-1 tokens.
+- A policy (engine/policy.py) may send a copy of the text instead (up to 8 tokens), a plain
+  step, or fewer columns; the columns it does not send keep their levels until sent again.
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
 is `generate()`'s job), so an EOS may sit in the window like any other token.
@@ -183,14 +180,10 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             levels <- levels[1:] + [argmax of newest level];  x <- y[-1];  yield y
 
     W = `window` columns, N = `ngram`, G = `guesses` (one given, the other is the same; neither,
-    W = G = 5). `Step.drafted` counts the guess rows verified, `Step.accepted` the guess tokens
-    accepted (> 0 iff a guess hit); `trim_layers` freezes the window's older levels in the last
-    layers. W = 0 with G >= 1 is
-    prompt lookup from the pool (W = G = 0 is refused: plain decoding under another name).
-    `policy` (engine/policy.py, Lookahead) chooses each step instead: a copy of the text sent
-    alone, a plain step, or the first W' <= W columns and G' guesses; columns not sent pause.
-    With a policy, W and G are the largest it may choose (`window` and `guesses` are not read).
-    `trace` puts the step's levels, guesses, choice and verdict in `Step.trace`.
+    W = G = 5; W = 0: prompt lookup from the pool). `trim_layers` freezes the window's older
+    levels in the last layers. `policy` (engine/policy.py, Lookahead) chooses each step instead,
+    up to its own largest W and G: a copy of the text sent alone, a plain step, or the first
+    W' columns and G' guesses; columns not sent pause.
     """
     N, W = ngram, next((k for k in (window, guesses) if k is not None), 5)
     G = W if guesses is None else guesses
@@ -198,11 +191,9 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         W, G = policy.most_window, policy.most_guesses
     if not prompt:
         raise ValueError("lookahead needs a prompt of at least one token")
-    if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0:
-        raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0; got {W!r}, {N!r}, {G!r}")
-    if W == 0 and G == 0:   # no window and no guesses: plain decoding under another name
-        raise ValueError("window 0 with guesses 0 guesses nothing: that is plain decoding; give "
-                         "guesses >= 1 (lookup from the n-gram pool) or window >= 1")
+    if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0 or W + G == 0:
+        raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0, not both 0 (that is plain "
+                         f"decoding); got {W!r}, {N!r}, {G!r}")
     if step_rows(W, N, G) > model.config.max_seq_len:   # before allocating a cache for them
         raise ValueError(f"a step of up to {step_rows(W, N, G)} rows (window and trie) exceeds the "
                          f"model's context ({model.config.max_seq_len})")

@@ -21,7 +21,7 @@ from typing import Callable, Iterable, Iterator
 import torch
 from torch import Tensor
 
-from engine.lookahead import step_rows
+from engine.lookahead import step_rows, tree_mask
 
 
 def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
@@ -103,12 +103,8 @@ class Tracer:
         rows = f"x and the window 0..{head - 1}" if head > 1 else "x"
         trie = f", the guesses' trie {head}..{n - 1}" if n > head else ""
         out = [f"  mask, shape changed: {n} rows ({rows}{trie}); row i sees row j = x"]
-        for i in range(n):                       # row i sees itself and its ancestors
-            row, j = {i}, parent[i]
-            while j >= 0:
-                row.add(j)
-                j = parent[j]
-            out.append(f"    {i:3d} @{P + len(row) - 1:<5d} " + "".join("x" if j in row else "." for j in range(n)))
+        for i, row in enumerate(tree_mask(parent).tolist()):   # itself and its ancestors
+            out.append(f"    {i:3d} @{P + sum(row) - 1:<5d} " + "".join(".x"[seen] for seen in row))
         return out
 
     def lookup(self, head, t):

@@ -49,6 +49,7 @@ def built_once():
     (["--max-new-tokens", "0", "--prompt", "hi"], "max-new-tokens"),
     (["--checkpoint", "/nonexistent/ckpt", "--prompt", "hi"], "not a directory"),
     (["--device", "cuda:0", "--prompt", "hi"], "CUDA"),
+    (["--device", "meta", "--prompt", "hi"], "only cpu and cuda"),
     (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
     (["--stop", "", "--prompt", "hi"], "--stop"),
     (["--int4", "--prompt", "hi"], "bfloat16"),

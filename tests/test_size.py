@@ -1,0 +1,41 @@
+"""tools/size.py: each line of a module is counted once, as code, prose or blank, and every
+module of engine/ is counted."""
+import pytest
+
+from tools import size
+
+SAMPLE = '''"""A module docstring
+over two lines."""
+import os  # a comment after code is code's line
+
+# a comment alone is prose
+X = """a string that is data,
+not a docstring"""
+
+
+def f():
+    """A function's docstring."""
+
+    return os.sep
+'''
+
+
+def test_each_line_is_code_prose_or_blank_as_a_reader_sees_it():
+    # code: import, X's two lines, def, return; prose: the docstrings' 3 lines and the comment
+    assert size.kinds(SAMPLE) == {"code": 5, "prose": 4, "blank": 4}
+    assert sum(size.kinds(SAMPLE).values()) == len(SAMPLE.splitlines())
+
+
+def test_the_table_counts_every_line_of_engine():
+    total = sum(len(p.read_text().splitlines()) for p in size.ENGINE.glob("*.py"))
+    last = size.table().splitlines()[-1]
+    assert last.startswith(f"| **engine/** | | **{total}** |")
+
+
+def test_a_module_no_part_names_is_an_error_not_a_line_left_out(tmp_path):
+    for m in (m for ms in size.PARTS.values() for m in ms):
+        (tmp_path / f"{m}.py").write_text("x = 1\n")
+    size.table(tmp_path)                                   # every module placed: a table
+    (tmp_path / "newcomer.py").write_text("y = 2\n")
+    with pytest.raises(ValueError, match="newcomer"):
+        size.table(tmp_path)

@@ -1,0 +1,74 @@
+"""How big the library is, and where: lines per module of engine/, by part and by kind.
+
+    python -m tools.size          # a Markdown table: each module's lines, code, prose, budget
+
+A line is code, prose (a docstring's or a comment's line) or blank. The budgets are
+DESIGN.md's (none for a module it does not list); docs/size.md says why the library holds
+what it holds.
+"""
+from __future__ import annotations
+
+import ast
+import io
+import tokenize
+from pathlib import Path
+
+ENGINE = Path(__file__).resolve().parent.parent / "engine"
+# the parts of the library, in reading order (README, "Reading order")
+PARTS = {
+    "the algorithms": ("llama", "kvcache", "sampling", "generate", "lookup", "lookahead", "draft",
+                       "speculative", "contrastive", "decoders", "trace"),
+    "the policy": ("policy", "cost"),
+    "the exact fast path": ("packed", "invariant", "aot"),
+    "loading": ("weights", "config", "tokenizer", "template"),
+    "the front doors": ("run", "api"),
+}
+BUDGET = {"llama": 250, "kvcache": 100, "sampling": 200, "generate": 140, "decoders": 40, "lookahead": 250,
+          "lookup": 110, "speculative": 140, "contrastive": 110, "draft": 150, "policy": 200, "packed": 160,
+          "weights": 220, "tokenizer": 220, "trace": 120, "run": 220}
+
+
+def kinds(source: str) -> dict[str, int]:
+    """{"code", "prose", "blank"}: how many of `source`'s lines are each."""
+    lines = source.splitlines()
+    prose = set()
+    for node in ast.walk(ast.parse(source)):   # docstrings: a string first in a module, class or def
+        body = getattr(node, "body", None)
+        if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
+                and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
+            prose.update(range(body[0].lineno, body[0].end_lineno + 1))
+    code = set()
+    for tok in tokenize.generate_tokens(io.StringIO(source).readline):
+        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                            tokenize.DEDENT, tokenize.ENDMARKER):
+            code.update(range(tok.start[0], tok.end[0] + 1))
+    code -= prose
+    blank = sum(not line.strip() for line in lines)
+    return {"code": len(code), "prose": len(lines) - len(code) - blank, "blank": blank}
+
+
+def table(engine: Path = ENGINE) -> str:
+    found = {p.stem for p in engine.glob("*.py") if p.stem != "__init__"}
+    listed = {m for ms in PARTS.values() for m in ms}
+    if found != listed:   # a module nobody placed would go uncounted
+        raise ValueError(f"engine/ modules not in PARTS: {sorted(found - listed)}; gone: {sorted(listed - found)}")
+    rows = ["| part | module | lines | code | prose | blank | budget |", "|---|---|---|---|---|---|---|"]
+    total = {"lines": 0, "code": 0, "prose": 0, "blank": 0}
+    for part, modules in PARTS.items():
+        sums = dict.fromkeys(total, 0)
+        for m in modules:
+            source = (engine / f"{m}.py").read_text()
+            k = {"lines": len(source.splitlines()), **kinds(source)}
+            sums = {f: sums[f] + k[f] for f in sums}
+            rows.append(f"| {part} | {m} | {k['lines']} | {k['code']} | {k['prose']} | {k['blank']} | "
+                        f"{BUDGET.get(m, '-')} |")
+        rows.append(f"| **{part}** | | **{sums['lines']}** | {sums['code']} | {sums['prose']} | {sums['blank']} | "
+                    f"{sum(BUDGET.get(m, 0) for m in modules) or '-'} |")
+        total = {f: total[f] + sums[f] for f in total}
+    rows.append(f"| **engine/** | | **{total['lines']}** | {total['code']} | {total['prose']} | {total['blank']} | "
+                f"{sum(BUDGET.values())} |")
+    return "\n".join(rows)
+
+
+if __name__ == "__main__":
+    print(table())

@@ -68,7 +68,7 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         seq = prompt
         loop:                                              # one expert forward per iteration
             t = len(seq)                                   # position of the first new token
-            K = num_draft if speculative and not the prompt's step else 0
+            K = min(num_draft, tokens left - 1) if speculative and not the prompt's step else 0
             for i in 0..K:  a_i = amateur(seq + d_<i)[-1]
                             if i < K: d_i ~ q_i = probs(a_i) with key ("draft", t + i)
             e_0..e_K = expert(seq + d_0..d_K-1)[-K-1:]
@@ -91,10 +91,10 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
     K = min(num_draft, max_new_tokens) if speculative else 0       # no step drafts past the budget
     pair = pair_for(expert, amateur, len(prompt) + max_new_tokens + K + 1, K + 1)  # amateur = the draft
-    seq = list(prompt)
+    seq, end = list(prompt), len(prompt) + max_new_tokens
     while True:
         t = len(seq)                                            # position of the first new token
-        k = K if pair.target_seen else 0                        # the prompt's step drafts nothing
+        k = min(K, max(end - t - 1, 0)) if pair.target_seen else 0   # the prompt's step drafts nothing
         # subtle: the amateur also reads d_k-1, for a_k: the row the bonus position needs
         drafts, q, a_rows, e = draft_then_verify(pair, seq, k, sampler, rng, "draft", bonus_row=True)
         s = scores(e, torch.stack(a_rows), alpha, beta, form, amateur_temperature)  # (k+1, V)
@@ -104,7 +104,8 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
         seq += out
         info = None
         if trace:   # per emitted position: the expert's own choice, the contrastive one, |V_head|
+            u, laws = [rng.uniform("accept", t + i) for i in range(k)], (s, torch.stack(a_rows[:k])) if k else None
             info = {"kind": "contrastive", "position": t, "expert": e.argmax(-1).tolist(),
                     "best": s.argmax(-1).tolist(), "plausible": s.isfinite().sum(-1).tolist(),
-                    **verdicts(p, q, drafts, out, [rng.uniform("accept", t + i) for i in range(k)])}
+                    "greedy": sampler.greedy, **verdicts(p, q, drafts, out, u, laws)}
         yield Step(out, drafted=k, accepted=len(out) - 1, draft_forwards=k + 1, trace=info)

@@ -172,7 +172,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         pool <- n-grams of prompt; levels <- N-1 levels x W copied from prompt
         x <- plain's first token, from the prompt alone (engine/generate.py);  yield x
         loop:
-            rows   <- [x] + levels + trie(G guesses for x)     under one tree mask, P = pos(x)
+            rows   <- levels (x is level 0's first cell) + trie(G guesses for x), one tree mask
             logits <- model(rows), kept only at x, the newest level and the trie
             y      <- verify_match(logits[x], logits[trie], guesses)    # 1..N tokens
             cache  <- cache + x + rows of the guess that y follows     # y[-1] is not cached

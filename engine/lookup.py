@@ -53,8 +53,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
         text <- prompt
         loop:
-            g <- the K tokens after the latest earlier match of text[-n:], n = N..1
-                 ([] if none, and on the prompt's step, which is plain's)
+            g <- the K tokens after the latest earlier match of text[-n:], n = N..1, at most
+                 the tokens left - 1 ([] if none, and on the prompt's step, which is plain's)
             policy: g <- g[:K], K = policy.length(...) (K = 0: a plain step)
             logits <- model(text[-1] + g), causal, rows after the cache        # 1 + len(g) rows
             y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix

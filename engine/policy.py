@@ -10,7 +10,8 @@ policy (`policy=`, the CLI's default), it asks before each step:
 
 by expected tokens per unit of cost. Every choice is one the algorithm is exact under, and it
 is made from the tokens seen and fixed prices, never the clock: the same command, seed and
-machine print the same tokens, and a policy moves the speed, never the tokens.
+machine print the same tokens. A policy moves the speed, never greedy tokens, never the law,
+and never coupled verification's seeded tokens (rejection's follow K; its law does not).
 
     cost(k rows) = 1 + slope (k - 1)      a k-row forward in one-row forwards, or a table
                                           measured once on this machine (engine/cost.py);

@@ -1,11 +1,12 @@
 """The command line: python -m engine.run --decoder lookahead --prompt "..."
 
-Text streams to stdout as it is accepted; one stats line goes to stderr (or, with --json, one
-JSON object goes to stdout instead). Bad input is one `error:` line on stderr and exit code 2,
-before any text is printed; so is an answer that cannot be written (stdout closed or full).
-Ctrl-C exits 130 and keeps what was streamed; a reader that closes the pipe early (`| head`)
-ends it quietly with 141, as SIGPIPE would. A closed stderr (`2>&-`) is taken as /dev/null,
-and one that fails drops the stats line, never the answer; --trace then exits 2.
+Text streams to stdout as it is accepted (--trace: at the end); one stats line goes to stderr
+(or, with --json, one JSON object goes to stdout instead). Bad input is one `error:` line on
+stderr and exit code 2, before any text is printed; so is an answer that cannot be written
+(stdout closed or full). Ctrl-C exits 130 and keeps what was streamed; a reader that closes
+the pipe early (`| head`) ends it quietly with 141, as SIGPIPE would. A closed stderr (`2>&-`)
+is taken as /dev/null, and one that fails drops the stats line, never the answer; --trace
+then exits 2.
 """
 from __future__ import annotations
 
@@ -111,7 +112,8 @@ def parser() -> argparse.ArgumentParser:
                         "after. Every decoder prints the compiled plain's tokens, which may differ from eager "
                         "plain's; where it cannot compile, one note and the eager step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
-    p.add_argument("--trace", action="store_true", help="print what every step did on stderr (see below)")
+    p.add_argument("--trace", action="store_true",
+                   help="print what every step did on stderr (see below); the answer then comes at the end")
     p.add_argument("--cost-table", metavar="JSON",
                    help="k-row forward costs for the adaptive choices, as written by `python -m tools.bench "
                         "--forward-cost` (default: this machine's, measured once into ~/.cache/engine/; fixed "
@@ -332,9 +334,10 @@ def run(args) -> dict:
         out.append(x)
         if not args.json and x not in tok.eos_ids:
             streamed += stream.push(x)
-            sure = before_stop(streamed, args.stop, final=False)
-            print(sure[shown:], end="", flush=True)
-            shown = len(sure)
+            if not args.trace:   # traced, the answer waits for the end: a step's lines never break it
+                sure = before_stop(streamed, args.stop, final=False)
+                print(sure[shown:], end="", flush=True)
+                shown = len(sure)
     seconds = time.perf_counter() - t0
     if not args.json:
         print(before_stop(streamed + stream.flush(), args.stop)[shown:])

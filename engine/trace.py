@@ -8,9 +8,9 @@ tokens do not; a step the run ends inside (an EOS, --stop, the budget) ends with
 A block starts "#n @t kind": step n, whose first new token sits at position t.
 
     #12 @47 speculative K=2 rejection
-      draft ' Paris'  p=0.912 q=0.850 u=0.118  accept  (u < p/q)
-      draft '.'       p=0.050 q=0.601 u=0.402  reject  (u >= p/q)
-      corrected ','  ~ norm((p - q)+)
+      draft ' Paris'  p=0.912 q=0.85 u=0.118  accept  (u < p/q)
+      draft '.'  p=0.05 q=0.601 u=0.402  reject  (u >= p/q)
+      corrected ',' ~ norm((p - q)+)
       emitted ' Paris' ','
 """
 from __future__ import annotations
@@ -88,8 +88,8 @@ class Tracer:
         if "minted" in t:
             out.append(f"  window minted  @{P + N - 1}..{P + N + W - 2}: {self.show(t['minted'])}"
                        "  (argmax of each column)")
-        if t["parent"] != self.mask and not t.get("first"):   # the prompt's step is a causal chain
-            self.mask = t["parent"]
+        if (W, N) != self.mask and not t.get("first"):   # the prompt's step is a causal chain
+            self.mask = (W, N)                            # the trie's rows change every step
             out += self.picture(t["parent"], P, step_rows(W, N, 0))   # x and the window
         out += [f"  guess {g}: {self.show(gram)}" for g, gram in enumerate(t["grams"])]
         out.append(f"  accepted {t['accepted']} of guess {t['best']}, then {then}" if t["accepted"] else
@@ -97,12 +97,12 @@ class Tracer:
         return out + [f"  emitted {self.show(claimed(t))}"]
 
     def picture(self, parent: list[int], P: int, head: int) -> list[str]:
-        """The step's tree mask (lookahead.tree_mask), drawn when its shape changes; rows
+        """The step's tree mask (lookahead.tree_mask), drawn when the window's W or N changes; rows
         [0, head) are x and the window (level l, column k = row l*W + k), the rest the trie."""
         n = len(parent)
         rows = f"x and the window 0..{head - 1}" if head > 1 else "x"
         trie = f", the guesses' trie {head}..{n - 1}" if n > head else ""
-        out = [f"  mask, shape changed: {n} rows ({rows}{trie}); row i sees row j = x"]
+        out = [f"  mask, drawn when the window's shape changes: {n} rows ({rows}{trie}); row i sees row j = x"]
         for i, row in enumerate(tree_mask(parent).tolist()):   # itself and its ancestors
             out.append(f"    {i:3d} @{P + sum(row) - 1:<5d} " + "".join(".x"[seen] for seen in row))
         return out
@@ -131,7 +131,7 @@ class Tracer:
                 f"  |V_head|={t['plausible'][i]}  pick {self.show([x])}" for i, x in enumerate(claimed(t))]
         if not t["k"]:
             return [f"{head}  {rows[0]}"]
-        out = [f"{head} K={t['k']} (the amateur drafts)"] + self.drafts(t["drafts"], "(u < p/q)")
+        out = [f"{head} K={t['k']} (the amateur drafts)"] + self.drafts(t["drafts"], "(u < p/q)", t.get("greedy", False))
         return out + [self.last(t)] + [f"  @{t['position'] + i} {r}" for i, r in enumerate(rows)]
 
     def drafts(self, drafts: list[dict], rule: str, greedy: bool = False) -> list[str]:

@@ -172,8 +172,23 @@ def test_amateur_equal_to_expert_accepts_every_draft():
     # own amateur and beta = 0, q == p_CD greedy, so each step emits K + 1 tokens.
     expert, K = tiny_llama(0), 3
     steps = contrastive.decode(expert, tiny_llama(0), [1, 2], sampler=GREEDY, rng=Random(0),
-                               max_new_tokens=12, beta=0.0, speculative=True, num_draft=K)
+                               max_new_tokens=13, beta=0.0, speculative=True, num_draft=K)
     assert [len(next(steps).tokens) for _ in range(4)] == [1] + [K + 1] * 3   # the prompt's step drafts none
+
+
+def test_no_speculative_step_drafts_a_token_the_budget_cannot_keep():
+    # Why: K was fixed at min(num_draft, budget), so the last steps had the amateur draft (and
+    # the expert verify) tokens that generate() then cut; a step now drafts at most the tokens
+    # left but one, as speculative's does. The expert as its own amateur accepts every draft.
+    expert, K, budget = tiny_llama(0), 3, 7
+    steps = contrastive.decode(expert, tiny_llama(0), [1, 2], sampler=GREEDY, rng=Random(0),
+                               max_new_tokens=budget, beta=0.0, speculative=True, num_draft=K)
+    drafted, made = [], 0
+    while made < budget:
+        step = next(steps)
+        drafted.append(step.drafted)
+        made += len(step.tokens)
+    assert drafted == [0, 3, 1] and made == budget       # 1 token, then 1 + 3, then 2 left: one draft + its bonus
 
 
 @pytest.mark.parametrize("kind", ["model", "layers"])

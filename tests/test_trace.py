@@ -143,7 +143,7 @@ def test_printed_trace_shows_every_step_and_its_emitted_tokens(capsys):
     assert t["found"] and t["room"] == 0 and "no room left in the budget" in Tracer(letters).lines(1, t)[0]
     steps, _ = traced_steps("lookahead W=3 N=3 G=3", Sampler(), n_steps=6)
     text = "\n".join(line for n, s in enumerate(steps) for line in Tracer(letters).lines(n, s.trace))
-    assert "mask, shape changed" in text and "window level 1" in text
+    assert "mask, drawn when" in text and "window level 1" in text
     for s in steps:
         assert f"emitted {Tracer(letters).show(s.tokens)}" in text
 
@@ -241,6 +241,16 @@ def model_p(model, prefix: list[int], x: int) -> float:
     return float(logits.float().softmax(-1)[x])
 
 
+def contrastive_p(prefix: list[int], x: int) -> tuple[float, float]:
+    """Speculative contrastive's two laws at temperature 1 after prefix, from fresh forwards:
+    the contrastive one (expert TARGET, amateur its first layer), and the amateur's own."""
+    tokens, positions = torch.tensor([prefix]), torch.arange(len(prefix))
+    expert = TARGET(tokens, positions)[0, -1]
+    amateur = TARGET.head(TARGET.blocks(TARGET.tok_embeddings(tokens), positions, stop=1))[0, -1]
+    s = contrastive.scores(expert, amateur)
+    return float(s.float().softmax(-1)[x]), float(amateur.float().softmax(-1)[x])
+
+
 def greedy_probability_lies(name) -> list[str]:
     steps, _ = traced_steps(name, Sampler(), n_steps=8)
     wrong, text = [], list(PROMPT)
@@ -250,14 +260,15 @@ def greedy_probability_lies(name) -> list[str]:
             wrong.append(f"step {n}: p_model {t['p_model']}")
         for i, d in enumerate(t.get("drafts", [])):
             prefix = text + [e["token"] for e in t["drafts"][:i]]
-            if d["verdict"] != "unverified" and (abs(d["p_model"] - model_p(TARGET, prefix, d["token"])) > 1e-9
-                                                 or abs(d["q_model"] - model_p(DRAFT, prefix, d["token"])) > 1e-9):
-                wrong.append(f"step {n} draft {i}: p_model {d['p_model']}, q_model {d['q_model']}")
+            want = contrastive_p(prefix, d["token"]) if t["kind"] == "contrastive" else \
+                (model_p(TARGET, prefix, d["token"]), model_p(DRAFT, prefix, d["token"]))
+            if d["verdict"] != "unverified" and (abs(d["p_model"] - want[0]) > 1e-9 or abs(d["q_model"] - want[1]) > 1e-9):
+                wrong.append(f"step {n} draft {i}: p_model {d['p_model']}, q_model {d['q_model']}, want {want}")
         text += s.tokens
     return wrong
 
 
-@pytest.mark.parametrize("name", ["plain", "speculative K=3"])
+@pytest.mark.parametrize("name", ["plain", "speculative K=3", "speculative contrastive"])
 def test_a_greedy_trace_shows_the_models_probability_of_each_pick(name):
     # Why: a greedy law is one-hot, so its p = 1.000 (or q = 0) says nothing about the step;
     # the trace shows what each model thought of the token instead, and it must be the
@@ -274,6 +285,8 @@ def test_a_greedy_trace_showing_the_one_hot_law_is_caught(monkeypatch):
     real = speculative.verdicts
     monkeypatch.setattr(speculative, "verdicts", lambda p, q, drafts, out, u, logits=None: real(p, q, drafts, out, u))
     assert greedy_probability_lies("speculative K=3")
+    monkeypatch.setattr(contrastive, "verdicts", lambda p, q, drafts, out, u, logits=None: real(p, q, drafts, out, u))
+    assert greedy_probability_lies("speculative contrastive")
 
 
 @pytest.mark.parametrize("name", ["lookahead W=3 N=3 G=3", "lookup", "speculative K=3"])
@@ -298,3 +311,43 @@ def test_a_verdict_on_tiny_laws_shows_digits_a_reader_can_check():
     # then reads as a lie; the laws are shown to three significant digits
     d = {"token": 1, "p": 4.1e-05, "q": 3.9e-05, "u": 0.274, "verdict": "accept"}
     assert "p=4.1e-05 q=3.9e-05 u=0.274  accept" in Tracer(letters).drafts([d], "(u < p/q)")[0]
+
+
+def test_the_module_docstrings_example_is_what_the_tracer_prints():
+    # Why: the example in engine/trace.py's docstring is a reader's first trace; it had gone
+    # stale (aligned columns, p=0.050) while the tracer printed p=0.05
+    import engine.trace
+    shown = {0: " Paris", 1: ".", 2: ","}
+    draft = lambda token, p, q, u, verdict: {"token": token, "p": p, "q": q, "u": u, "verdict": verdict}
+    t = {"kind": "speculative", "position": 47, "k": 2, "verify": "rejection", "adaptive": False, "next": 2,
+         "bonus": False, "drafts": [draft(0, 0.912, 0.85, 0.118, "accept"), draft(1, 0.05, 0.601, 0.402, "reject")]}
+    doc = engine.trace.__doc__.split("\n\n")[-1].strip("\n").splitlines()
+    assert Tracer(lambda ids: shown[ids[0]]).lines(12, t) == [line[4:] for line in doc]
+
+
+def test_a_traced_answer_never_breaks_a_steps_lines(tiny_checkpoint, monkeypatch):
+    # Why: on a terminal stdout and stderr are one stream, and the answer streamed between
+    # steps ran into the next block's head ("1#1 @40 lookahead"); traced, it comes at the end
+    import io
+    import re
+    from engine.run import main
+    both = io.StringIO()
+    monkeypatch.setattr("sys.stdout", both)
+    monkeypatch.setattr("sys.stderr", both)
+    argv = ["--checkpoint", str(tiny_checkpoint), "--prompt", "hi hi hi", "--max-new-tokens", "12", "--trace"]
+    assert main(argv) == 0
+    text = both.getvalue()
+    assert len(re.findall(r"^#\d+ @", text, re.M)) >= 2 and not re.search(r"[^\n]#\d+ @\d+ ", text)
+
+
+@pytest.mark.parametrize("name", ["lookahead W=3 N=3 G=3", "lookahead auto"])
+def test_the_mask_is_drawn_once_for_each_run_of_one_window_shape(name):
+    # Why: drawn whenever the trie's rows changed, the mask came back at nearly every step and
+    # buried the window and the guesses; the guesses' lines say the trie, the picture the shape
+    steps, _ = traced_steps(name, Sampler(), n_steps=40)
+    tracer, drawn, shapes = Tracer(letters), 0, []
+    for n, s in enumerate(steps):
+        drawn += any("mask, drawn" in line for line in tracer.lines(n, s.trace))
+        if not s.trace["first"]:
+            shapes.append((len(s.trace["levels"][0]) if s.trace["levels"] else 0, s.trace["N"]))
+    assert drawn == sum(a != b for a, b in zip([None] + shapes, shapes)) >= 1

@@ -39,3 +39,11 @@ def test_a_module_no_part_names_is_an_error_not_a_line_left_out(tmp_path):
     (tmp_path / "newcomer.py").write_text("y = 2\n")
     with pytest.raises(ValueError, match="newcomer"):
         size.table(tmp_path)
+
+
+def test_a_bad_flag_is_one_line_and_exit_2():
+    import subprocess
+    import sys
+    r = subprocess.run([sys.executable, "-m", "tools.size", "--bogus"], capture_output=True, text=True,
+                       cwd=size.ENGINE.parent)
+    assert r.returncode == 2 and r.stdout == "" and r.stderr.strip().splitlines() == ["error: unrecognized arguments: --bogus"]

@@ -1,4 +1,4 @@
-"""How big the library is, and where: lines per module of engine/, by part and by kind.
+"""How big the library is: lines per module of engine/, by part and by kind.
 
     python -m tools.size          # a Markdown table: each module's lines, code, prose, budget
 
@@ -12,6 +12,8 @@ import ast
 import io
 import tokenize
 from pathlib import Path
+
+from tools.cli import Parser, first
 
 ENGINE = Path(__file__).resolve().parent.parent / "engine"
 # the parts of the library, in reading order (README, "Reading order")
@@ -71,4 +73,5 @@ def table(engine: Path = ENGINE) -> str:
 
 
 if __name__ == "__main__":
+    Parser(prog="python -m tools.size", description=first(__doc__)).parse_args()   # --help; a bad flag: exit 2
     print(table())

@@ -428,6 +428,31 @@ def test_every_registered_decoder_has_its_promise_pinned():
     assert {name for name, *_ in PROMISES} == set(DECODERS)
 
 
+def knob_defaults_that_disagree(parser) -> list[str]:
+    """Each registered knob whose --knob-name flag is missing, or whose default is neither None
+    (then decode()'s own default holds) nor decode()'s default."""
+    import inspect
+    from engine.decoders import DECODERS
+    flags = {a.dest: a.default for a in parser._actions}
+    wrong = []
+    for name, d in DECODERS.items():
+        own = {k: p.default for k, p in inspect.signature(d.decode).parameters.items()}
+        for knob in d.knobs:
+            if knob not in flags or flags[knob] not in (None, own[knob]):
+                wrong.append(f"{name} {knob}: flag {flags.get(knob, 'missing')!r}, decode() {own[knob]!r}")
+    return wrong
+
+
+def test_every_knobs_flag_defaults_to_decodes_own_default():
+    # Why: a knob's default is written twice, in decode() and in its CLI flag; the CLI must not
+    # run a decoder with another value than the one its docstring and the API use
+    from engine.run import parser
+    assert knob_defaults_that_disagree(parser()) == []
+    p = parser()
+    p.set_defaults(lookup_tokens=9)                     # the broken variant: one default drifted
+    assert knob_defaults_that_disagree(p) == ["lookup lookup_tokens: flag 9, decode() 8"]
+
+
 @real
 def test_the_first_run_says_where_it_kept_the_cost_table_and_later_runs_do_not(tmp_path, monkeypatch, capsys):
     # why: the table is measured once and priced with forever after, so the user must learn

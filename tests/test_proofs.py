@@ -38,6 +38,21 @@ def spec_run(draft, K, verify="rejection", adaptive=False, target=TARGET):
     return run
 
 
+class ByAcceptance:
+    """A policy whose K follows the random draws: 2 after a step that accepted all its drafts,
+    1 after a rejection, so branches of the walk draft differently (in 4 tokens: K = 2, then
+    K = 1 after a first-draft rejection). The law must not care how K was chosen."""
+    k, most = 2, 2
+
+    def update(self, k: int, accepted: int) -> None:
+        self.k = 2 if accepted == k else 1
+
+
+def spec_by_acceptance(sampler, n):
+    return lambda rng: speculative.decode(TARGET, DRAFT, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
+                                          policy=ByAcceptance())
+
+
 def la_run(W, N, G):
     def run(sampler, n):
         return lambda rng: lookahead.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
@@ -91,6 +106,7 @@ ENTRIES = {
     "speculative K=2": (spec_run(DRAFT, 2), target_law, 4),
     "speculative self-draft L=1 K=2": (spec_run(speculative.SelfDraft(1), 2), target_law, 4),
     "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
+    "speculative K by the last step's acceptance": (spec_by_acceptance, target_law, 4),
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 4),
     "speculative int4 draft K=2": (spec_run(Q_DRAFT, 2, target=Q_TARGET), q_target_law, 4),
     "speculative int4 draft coupled K=2": (spec_run(Q_DRAFT, 2, verify="coupled", target=Q_TARGET),
@@ -141,6 +157,32 @@ def test_decoder_keeps_its_law_with_eos(name):
     run, law, n = ENTRIES[name]
     sampler, eos = Sampler(1.0), {2}
     assert max_gap(decoder_law(run(sampler, n), n, eos), law(sampler, n, eos)) < TOL
+
+
+class Peeking:
+    """The broken variant of a policy: K chosen by the next step's second accept uniform, a draw
+    still to come (K = 2 where that draft will likely pass)."""
+    most = 2
+
+    def __init__(self, rng):
+        self.rng, self.n = rng, len(PROMPT) + 1      # the first step after the prompt's
+
+    @property
+    def k(self) -> int:
+        return 2 if self.rng.bernoulli(0.5, "accept", self.n + 1) else 1
+
+    def update(self, k: int, accepted: int) -> None:
+        self.n += accepted + 1
+
+
+def test_a_policy_that_peeks_at_a_draw_to_come_breaks_the_law():
+    # Why: the acceptance entry above proves that K may follow past draws; the proof must
+    # also be able to fail, and it does for a K that follows a draw not yet made
+    def run(sampler, n):
+        return lambda rng: speculative.decode(TARGET, DRAFT, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
+                                              policy=Peeking(rng))
+    sampler = SAMPLERS["t=1.2,top-p=0.9"]                  # the fewest branches: ~3 s (gap 0.019)
+    assert max_gap(decoder_law(run(sampler, 4), 4), target_law(sampler, 4)) > 1e-4
 
 
 @pytest.mark.parametrize("mutant", ["always accept", "residual = p", "residual not normalised",

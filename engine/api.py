@@ -1,4 +1,4 @@
-"""The engine from Python: what `python -m engine.run` does, without its flags.
+"""The engine from Python: what `python -m engine.run` does, without its flags (README, "Python API").
 
     from engine.api import Engine
     llm = Engine.load()                              # the default model; or Engine.load(path)
@@ -7,17 +7,11 @@
         print(text, end="", flush=True)
     print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
 
-`Engine.load(path, int4=True)` is the CLI's `--int4`, exact by default as there (`build`);
-`compile=True` with it is `--compile` (engine/aot.py: built once per machine, notes on stderr).
-`decoder` is any name of engine.decoders.DECODERS, its knobs are keywords. Speculative's draft
-and contrastive's amateur are `second=`: an int L (the target's first L layers) or a Llama.
-`adaptive` (default True, as the CLI) lets a decoder's policy choose per step, priced as the
-CLI prices it: this machine's costs, measured once (seconds) into ~/.cache/engine/ and read
-back (engine/cost.py); False, or lookahead given `window` or `guesses`: the textbook loop (a
-decoder with no policy, plain or contrastive, is its one loop either way, as with --no-adaptive).
-A str prompt is chat-templated as the CLI does; a list of ints is sent as it is. Greedy unless
-temperature > 0; `seed` keys the draws. A bad argument is a ValueError before any token, as
-the CLI's `error:` lines: raised by the call, or a decoder's knob by its first token's read.
+`Engine.load`'s keywords are the CLI's loading flags, `tokens`' its decoding ones: a decoder by
+name, its knobs as keywords, `second=` a layer count or a Llama, `adaptive` as --adaptive,
+priced as the CLI prices. A str prompt is chat-templated as there; a list of ids is sent as it
+is. A bad argument is a ValueError before any token (a decoder's knob: at its first token's
+read), as the CLI's `error:` lines are.
 """
 from __future__ import annotations
 

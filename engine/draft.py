@@ -8,8 +8,8 @@ here). Layer i's K/V depend only on layers < i, so an early exit's K/V *are* the
 both share one cache, and the target's check resumes from the draft's layer-L stream,
 computing only layers [L, n).
 
-    draft = int4_copy(target)                         # the target's own weights in 4 bits, or
-    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama, or an int L
+    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (api.build(ckpt, int4=True):
+                                                      # the target's weights in 4 bits), or an int L
     pair.propose(tokens, positions) -> (V,)           # the draft's logits after the last token
     pair.verify(tokens, positions, rows) -> (rows, V) # the target's logits at the last rows
     pair.rollback(n)                                  # forget every slot from n on
@@ -27,7 +27,6 @@ d written by the draft's layers, . not yet written):
 """
 from __future__ import annotations
 
-import copy
 from dataclasses import dataclass
 
 import torch
@@ -35,25 +34,12 @@ from torch import Tensor
 
 from engine.kvcache import KVCache
 from engine.llama import Llama
-from engine.packed import quantize_int4
 from engine.sampling import Random, Sampler
 
 
 @dataclass(frozen=True)
 class SelfDraft:
     layers: int   # the draft is the target's layers [0, layers), then its final norm and LM head
-
-
-def int4_copy(target: Llama) -> Llama:
-    """The target's weights in 4-bit groups (engine/packed.py) as a second model: a draft that
-    reads ~4x fewer bytes a token and agrees with the target on most of them. A float CPU model
-    with nn.Linear layers (not yet prepacked) whose layer shapes pack into groups of 32."""
-    w = target.tok_embeddings.weight
-    if w.device.type != "cpu" or not w.is_floating_point():
-        raise ValueError(f"an int4 draft is built on the CPU from float weights, got {w.dtype} on {w.device}")
-    if not all(isinstance(b.feed_forward.w13, torch.nn.Linear) for b in target.layers):
-        raise ValueError("an int4 draft is built from nn.Linear layers: make it before prepack()")
-    return quantize_int4(copy.deepcopy(target).float())
 
 
 def resident_bytes(model: Llama) -> int:

@@ -195,8 +195,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0, not both 0 (that is plain "
                          f"decoding); got {W!r}, {N!r}, {G!r}")
     if step_rows(W, N, G) > model.config.max_seq_len:   # before allocating a cache for them
-        raise ValueError(f"a step of up to {step_rows(W, N, G)} rows (window and trie) exceeds the "
-                         f"model's context ({model.config.max_seq_len})")
+        raise ValueError(f"window {W}, ngram {N}, guesses {G}: a step of up to {step_rows(W, N, G)} rows exceeds "
+                         f"the model's context ({model.config.max_seq_len}); make them smaller")
     if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
         raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie

@@ -34,7 +34,6 @@ from engine.aot import compile_step
 from engine.api import build, check_compile, check_device, check_fits, encode, prices as api_prices
 from engine.config import load_config
 from engine.cost import load_table, probed
-from engine import lookahead
 from engine.decoders import DECODERS, Decoder
 from engine.draft import SelfDraft, resident_bytes
 from engine.generate import Stats, cut, generate
@@ -95,13 +94,10 @@ def parser() -> argparse.ArgumentParser:
                    help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row "
                         "forwards most)")
     p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
-                   help="each row of a forward rounds as it would alone (attention one row per call; on a CPU "
-                        "one-row matmuls take the k-row kernel, on CUDA the projections and head go as 32-row "
-                        "calls), so every decoder prints bit for bit what plain prints with the same flags, where "
-                        "this machine's probe agrees (--json exact_path; else the stats line says so). Default: on "
-                        "for bf16 and --int4 on a CPU, where it costs a one-row step about nothing; off for fp32 on "
-                        "a CPU (one-row steps ~9%% slower) and on CUDA for every dtype (H200, one run: bf16 plain "
-                        "0.63x)")
+                   help="each row of a forward rounds as it would alone (engine/invariant.py), so every decoder "
+                        "prints plain's tokens bit for bit where this machine's probe agrees (--json exact_path). "
+                        "Default: on for bf16 and --int4 on a CPU (a one-row step costs about the same); off for "
+                        "fp32 on a CPU (one-row steps ~9%% slower) and on CUDA (an H200's bf16 plain: 0.63x)")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), the LM head in 8-bit "
                         "groups (Q8_0) under an AVX-512 dispatch, bf16 activations: "
@@ -268,24 +264,17 @@ def read_stdin(most: int) -> str:
                          f"at offset {e.start})") from None
 
 
-def bound_knobs(args, context: int) -> None:
+def bound_knobs(args) -> None:
     """Clamp lookahead's and the drafts' sizes to what the token budget can use, said once on
-    stderr; refuse a step wider than the model's context. A window column or a draft token past
-    the budget can never be accepted, yet each costs memory: --num-draft 10^9 would try to
-    allocate a cache of 10^9 slots."""
+    stderr. A window column or a draft token past the budget can never be accepted, yet each
+    costs memory: --num-draft 10^9 would try to allocate a cache of 10^9 slots. (A lookahead
+    step wider than the model's context is lookahead.decode's to refuse.)"""
     for name in DECODERS[args.decoder].sizes:
         top = args.max_new_tokens + 1 if name == "ngram" else args.max_new_tokens   # x and N-1 tokens after it
         v = getattr(args, name)
         if v is not None and v > top:
             warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token budget can use")
             setattr(args, name, top)
-    if args.decoder == "lookahead" and not DECODERS["lookahead"].adapts(knobs(args), args.adaptive):
-        W = args.window if args.window is not None else args.guesses if args.guesses is not None else 5
-        N, G = args.ngram or 4, args.guesses if args.guesses is not None else W
-        rows = lookahead.step_rows(W, N, max(G, 0))
-        if rows > context:
-            raise ValueError(f"--window {W} --ngram {N} --guesses {G} make {rows} rows per step, "
-                             f"more than the model's context ({context}): make them smaller")
 
 
 def run(args) -> dict:
@@ -296,7 +285,6 @@ def run(args) -> dict:
         raise ValueError(f"checkpoint {ckpt} is not a directory "
                          "(convert a GGUF with `python -m tools.convert convert`)")
     config = load_config(ckpt)                  # validated before any weight is read
-    context = config.max_seq_len
     tok = Tokenizer.load(ckpt)
     if tok.vocab_size > config.vocab_size:   # an id past the embedding would index no row
         raise ValueError(f"{Path(ckpt) / 'config.json'}: vocab_size {config.vocab_size} is smaller "
@@ -305,7 +293,7 @@ def run(args) -> dict:
     text = args.prompt if args.prompt is not None else read_stdin(4 * tok.max_text_chars)
     prompt = encode(tok, text, args.raw)        # --raw: control tokens on purpose; see --help
     check_fits(len(prompt), args.max_new_tokens, config, "--max-new-tokens")
-    bound_knobs(args, context)
+    bound_knobs(args)
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
     second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring

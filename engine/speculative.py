@@ -6,8 +6,8 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   target keeps drafts while its own inverse-CDF draw from that uniform agrees: the output is
   plain sampling's with the same seed, token for token, whatever the draft; it accepts less
   often than rejection sampling (`verify_match` says how much).
-The draft is another Llama with the target's vocab (such as `draft.int4_copy(target)`, the
-target's own weights in 4 bits), or `SelfDraft(L)`: the target's layers [0, L) + its norm and
+The draft is another Llama with the target's vocab (such as `api.build(checkpoint, int4=True)`,
+the target's own weights in 4 bits), or `SelfDraft(L)`: the target's layers [0, L) + its norm and
 head (an early exit), sharing the target's weights and KV cache (engine/draft.py). Either way
 the target decides every token: the output is the target's, however good the draft.
 K is fixed (`num_draft`) unless a policy chooses it per step (engine/policy.py, DraftLength).

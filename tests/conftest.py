@@ -31,10 +31,18 @@ def pytest_configure(config):
         raise pytest.UsageError("ENGINE_TEST_DEVICE=cuda: no CUDA device here (make test-cuda needs a GPU)")
 
 
+def int4_copy(target: Llama) -> Llama:
+    """The target's weights in 4-bit groups (engine/packed.py), as the CLI's --draft int4 builds
+    its draft from the checkpoint: a float CPU model not yet prepacked."""
+    import copy
+    from engine.packed import quantize_int4
+    return quantize_int4(copy.deepcopy(target).float())
+
+
 def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = False,
                scale: float = 1.0, hidden: int = 48) -> Llama:
     """A random float64 Llama (C=32, H=4, Hkv=2, F=48) whose every weight is drawn from `seed`;
-    hidden=64 gives layer shapes that pack in 4-bit groups of 32 (engine.draft.int4_copy)."""
+    hidden=64 gives layer shapes that pack in 4-bit groups of 32 (conftest.int4_copy)."""
     cfg = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=hidden,
                       vocab_size=vocab, rope_theta=10000.0, tie_embeddings=tie)
     model = Llama(cfg).double()

@@ -157,7 +157,7 @@ def test_where_nothing_can_be_kept_nothing_is_measured_and_every_run_prices_alik
     # Why: a read-only home would make every run measure anew, and on an inexact path (int4,
     # bf16) another price moves the tokens: one command would print apart from run to run.
     # So nothing is measured there; the policy prices by its fixed constants, and says so.
-    from engine.draft import int4_copy
+    from conftest import int4_copy
     target = tiny_llama(0, hidden=64)
     (tmp_path / "file").write_text("")
     unkeepable = tmp_path / "file" / "engine"    # not a folder, even for root (chmod is not)
@@ -190,7 +190,7 @@ def test_a_file_system_without_hard_links_still_keeps_the_table(tmp_path, monkey
 def test_a_draft_price_is_measured_once_and_read_back(tmp_path, monkeypatch):
     # Why: --draft int4's K is priced with this machine's draft/target ratio; like the table, it
     # is measured once and kept, so two runs of one command price alike and print alike.
-    from engine.draft import int4_copy
+    from conftest import int4_copy
     target = tiny_llama(0, hidden=64)
     draft = int4_copy(target)
     heard = []

@@ -573,7 +573,7 @@ KNOB_CASES = {
     "huge seed": (["--seed", str(2**70)], "seed"),
     "budget past the context": (["--max-new-tokens", str(10**18)], "context"),
     "lookahead wider than the context": (["--decoder", "lookahead", "--window", "100000",
-                                          "--ngram", "100000", "--max-new-tokens", "60"], "rows per step"),
+                                          "--ngram", "100000", "--max-new-tokens", "60"], "rows exceeds"),
 }
 
 

@@ -285,5 +285,5 @@ def test_a_step_as_wide_as_the_context_runs_and_a_wider_one_is_refused():
         if fits:
             next(steps)
         else:
-            with pytest.raises(ValueError, match="exceeds the model's context"):
+            with pytest.raises(ValueError, match="rows exceeds the model's context"):
                 next(steps)

@@ -15,7 +15,8 @@ from hypothesis import example, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
 from engine import lookahead, lookup, policy, speculative
-from engine.draft import SelfDraft, int4_copy
+from conftest import int4_copy
+from engine.draft import SelfDraft
 from engine.generate import generate, plain
 from engine.lookup import find
 from engine.policy import Prices, best_k

@@ -11,7 +11,7 @@ import torch
 
 from conftest import tiny_llama, unnamed_decoders
 from engine import contrastive, lookahead, lookup, policy, speculative
-from engine.draft import int4_copy
+from conftest import int4_copy
 from engine.generate import plain
 from engine.sampling import Sampler
 from exact_law import decoder_law, llama_next_probs, max_gap, reference_law

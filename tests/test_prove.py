@@ -136,3 +136,19 @@ def test_a_verifier_that_returns_nothing_fails_instead_of_hanging():
 def test_the_threshold_holds_for_thousands_of_outcomes():
     # ln(2^m - 2) overflows as a float power for m > 1023
     assert 0 < prove.threshold(10**6, 4096) < 1
+
+
+def wrong_bonus_row(p, q, drafts, rng, position):
+    """The classic bug: after K accepted drafts, the bonus drawn from p_K-1, the last draft's row."""
+    from test_sampling import MUTANTS
+    return MUTANTS["bonus from p_K-1 (the last draft's row) instead of p_K"][0](p, q, drafts, rng, position)
+
+
+def test_the_default_window_checks_the_bonus_token(capsys):
+    # Why: the defaults were n = 2 tokens for K = 2 drafts, so a verifier's own token after K
+    # accepted drafts (its third) was never checked, and a wrong bonus row passed; n now
+    # defaults to K + 1, and a window that still misses it says so
+    rc, out, err = main(["test_prove:wrong_bonus_row"], capsys)
+    assert rc == 1 and "| FAIL |" in out and "note" not in err
+    rc, out, err = main(["test_prove:wrong_bonus_row", "--tokens", "2"], capsys)   # the old default
+    assert rc == 0 and "| PASS |" in out and "a wrong bonus row cannot fail" in err

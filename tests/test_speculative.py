@@ -9,7 +9,8 @@ from hypothesis import given, strategies as st
 
 from conftest import DEVICE, tiny_llama
 from engine import speculative
-from engine.draft import Separate, int4_copy
+from conftest import int4_copy
+from engine.draft import Separate
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler

@@ -335,7 +335,7 @@ def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: i
         return certify_samples(spec, sample(N, seed), law, V)
     if spec in ("engine-plain", "engine-speculative", "engine-coupled", "engine-lookahead"):
         if mode != "exact":
-            raise ValueError(f"{spec} runs on a tiny Llama in --exact mode only")
+            raise ValueError(f"{spec} runs on a tiny Llama in --mode exact only")
         return certify_engine_decoder(spec, V, n, K, sampler)
     if spec == "engine-rejection":
         f = verify_rejection
@@ -442,20 +442,24 @@ def main(argv=None) -> int:
                     help="engine-rejection | engine-plain | engine-speculative | engine-coupled | "
                          "engine-lookahead | hf-speculative | planted:TV[:mode|uniform] | module:function "
                          "| path/to/file.py:function (verify(p, q, drafts[, rng, position]) -> tokens)")
-    ap.add_argument("--mode", choices=["exact", "stat"], default="exact")
+    ap.add_argument("--mode", choices=["exact", "stat"], default="exact", help="default exact")
     ap.add_argument("--vocab", type=int, default=4, help="V (default 4)")
-    ap.add_argument("--tokens", type=int, default=2, help="n, positions whose joint law is checked")
-    ap.add_argument("--draft-len", type=int, default=2, help=f"K drafts per verifier call (<= {MAX_DRAFT})")
-    ap.add_argument("--samples", type=int, default=300_000, help=f"N runs in --mode stat (<= {MAX_SAMPLES:,})")
-    ap.add_argument("--temperature", type=float, default=1.0)
-    ap.add_argument("--top-k", type=int, default=0)
-    ap.add_argument("--top-p", type=float, default=1.0)
-    ap.add_argument("--seed", type=int, default=0, help="in [0, 2^32)")
+    ap.add_argument("--tokens", type=int, help="n, positions whose joint law is checked (default K + 1, so that "
+                                                "the first call's own token, its bonus if all K pass, is checked)")
+    ap.add_argument("--draft-len", type=int, default=2, help=f"K drafts per verifier call (default 2, <= {MAX_DRAFT})")
+    ap.add_argument("--samples", type=int, default=300_000,
+                    help=f"N runs in --mode stat (default 300,000, <= {MAX_SAMPLES:,})")
+    ap.add_argument("--temperature", type=float, default=1.0, help="default 1")
+    ap.add_argument("--top-k", type=int, default=0, help="default 0 (off)")
+    ap.add_argument("--top-p", type=float, default=1.0, help="default 1 (off)")
+    ap.add_argument("--seed", type=int, default=0, help="in [0, 2^32), default 0")
     ap.add_argument("--time-limit", type=float, default=TIME_LIMIT, metavar="S",
                     help="seconds per sampler: a stat run projected past it is refused before the "
                          "rest runs; any certification still running at S is stopped (exit 3)")
     ap.add_argument("--json", action="store_true", help="one JSON list of verdicts instead of the table")
     a = ap.parse_args(argv)
+    if a.tokens is None:   # K + 1, or as many as V^n <= MAX_OUTCOMES allows
+        a.tokens = max(1, min(a.draft_len + 1, 12, int(math.log(MAX_OUTCOMES, max(a.vocab, 2)) + 1e-9)))
     torch.set_num_threads(1)   # tiny tensors: thread hand-offs cost more than the math
     try:
         check_args(a)
@@ -465,6 +469,10 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    if a.tokens <= a.draft_len:   # subtle: the classic wrong bonus row then passes every check
+        print(f"note: n = {a.tokens} <= K = {a.draft_len}: a verifier's own token after K accepted drafts "
+              "lies past the checked tokens, so a wrong bonus row cannot fail (--tokens K + 1 checks it)",
+              file=sys.stderr)
     verdicts = []
     for s in a.samplers:
         try:

@@ -11,6 +11,11 @@ import os  # a comment after code is code's line
 # a comment alone is prose
 X = """a string that is data,
 not a docstring"""
+Y = ("a message that goes on "
+     "over a second line")
+Z = max(1,
+        2,
+)
 
 
 def f():
@@ -21,8 +26,10 @@ def f():
 
 
 def test_each_line_is_code_prose_or_blank_as_a_reader_sees_it():
-    # code: import, X's two lines, def, return; prose: the docstrings' 3 lines and the comment
-    assert size.kinds(SAMPLE) == {"code": 5, "prose": 4, "blank": 4}
+    # code: import, the first lines of X and Y, Z's three lines (a closing mark alone is code),
+    # def, return; prose: the docstrings' 3 lines, the comment, and the second lines of X and Y
+    # (a string going on is text, not code)
+    assert size.kinds(SAMPLE) == {"code": 8, "prose": 6, "blank": 4}
     assert sum(size.kinds(SAMPLE).values()) == len(SAMPLE.splitlines())
 
 

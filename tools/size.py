@@ -2,7 +2,8 @@
 
     python -m tools.size          # a Markdown table: each module's lines, code, prose, budget
 
-A line is code, prose (a docstring's or a comment's line) or blank. The budgets are
+A line is code, prose (a docstring's or a comment's line, or one that only continues a string:
+help text, a message) or blank. The budgets are
 DESIGN.md's (none for a module it does not list); docs/size.md says why the library holds
 what it holds.
 """
@@ -31,7 +32,8 @@ BUDGET = {"llama": 250, "kvcache": 100, "sampling": 200, "generate": 140, "decod
 
 
 def kinds(source: str) -> dict[str, int]:
-    """{"code", "prose", "blank"}: how many of `source`'s lines are each."""
+    """{"code", "prose", "blank"}: how many of `source`'s lines are each. Prose: a docstring's
+    or a comment's line, or a line of string literals alone (a help text or a message going on)."""
     lines = source.splitlines()
     prose = set()
     for node in ast.walk(ast.parse(source)):   # docstrings: a string first in a module, class or def
@@ -39,12 +41,15 @@ def kinds(source: str) -> dict[str, int]:
         if isinstance(body, list) and body and isinstance(body[0], ast.Expr) \
                 and isinstance(body[0].value, ast.Constant) and isinstance(body[0].value.value, str):
             prose.update(range(body[0].lineno, body[0].end_lineno + 1))
-    code = set()
+    marks, strings = {}, set()   # line -> its tokens that are neither text nor layout
     for tok in tokenize.generate_tokens(io.StringIO(source).readline):
-        if tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
-                            tokenize.DEDENT, tokenize.ENDMARKER):
-            code.update(range(tok.start[0], tok.end[0] + 1))
-    code -= prose
+        if tok.type == tokenize.STRING:
+            strings.update(range(tok.start[0], tok.end[0] + 1))
+        elif tok.type not in (tokenize.COMMENT, tokenize.NL, tokenize.NEWLINE, tokenize.INDENT,
+                              tokenize.DEDENT, tokenize.ENDMARKER):
+            marks.setdefault(tok.start[0], set()).add(tok.string)
+    # a string going on, closed at most by `,`, `)` or `+`, is text; any other token makes code
+    code = {n for n, m in marks.items() if not (n in strings and m <= {",", ")", "+"})} - prose
     blank = sum(not line.strip() for line in lines)
     return {"code": len(code), "prose": len(lines) - len(code) - blank, "blank": blank}
 

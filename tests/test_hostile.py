@@ -603,7 +603,7 @@ def clamped(name: str, size: str) -> int:
     from engine.run import bound_knobs, parser
     args = parser().parse_args(["--decoder", name, f"--{size.replace('_', '-')}", "1000000000",
                                 "--max-new-tokens", "4", "--prompt", "hi"])
-    bound_knobs(args, context=8192)
+    bound_knobs(args)
     return getattr(args, size)
 
 

@@ -131,7 +131,8 @@ class Tracer:
                 f"  |V_head|={t['plausible'][i]}  pick {self.show([x])}" for i, x in enumerate(claimed(t))]
         if not t["k"]:
             return [f"{head}  {rows[0]}"]
-        out = [f"{head} K={t['k']} (the amateur drafts)"] + self.drafts(t["drafts"], "(u < p/q)", t.get("greedy", False))
+        out = [f"{head} K={t['k']} (the amateur drafts)"]
+        out += self.drafts(t["drafts"], "(u < p/q)", t.get("greedy", False))
         return out + [self.last(t)] + [f"  @{t['position'] + i} {r}" for i, r in enumerate(rows)]
 
     def drafts(self, drafts: list[dict], rule: str, greedy: bool = False) -> list[str]:

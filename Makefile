@@ -61,7 +61,7 @@ test-cuda: weights
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*),
 # then where a plain step's time goes (bench-out/split.*). COMPILE=1 adds plain, lookahead,
 # lookup and speculative (a 20-layer self-draft) on the exact 4-bit path compiled ahead of time
-# (engine/aot.py: built once per machine, minutes).
+# (engine/fast/aot.py: built once per machine, minutes).
 # LLAMA_CPP=path/to/llama-completion adds llama.cpp's plain greedy on the same GGUF to the first table.
 bench: weights
 	$(PY) -m tools.bench $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP)) $(if $(COMPILE),--compile)

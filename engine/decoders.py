@@ -1,49 +1,93 @@
-"""The one decoder registry: name -> its decode function, its knobs, its second model, its policy.
+"""The one decoder registry: name -> its decode function, its knobs, its second model.
 
-The CLI (engine/run.py), the benchmark and the quality report (tools/) all read this table.
-Adding a decoder is a module with `decode(model, [second,] prompt, *, sampler, rng,
-max_new_tokens, trace=False, **knobs) -> Iterator[Step]`, one line here, a flag per knob in
-engine/run.py, and its tests (README, "Adding a decoder"; engine/lookup.py is the worked example).
-Every decoder takes `trace`: the CLI passes --trace to all of them. A decoder that can adapt
-also takes `policy=` (None: its textbook loop with fixed knobs), built by `policy` here from
-the models, the prices (engine/policy.py, Prices) and the knobs given.
+Both front doors (engine/doors/: the CLI and the Python API), the benchmark and the quality
+report (tools/) read this table; the CLI makes a flag of every knob declared here (--knob-name,
+its type, default and help). Adding a decoder is a module with `decode(model, [second,]
+prompt, *, sampler, rng, max_new_tokens, trace=False, **knobs) -> Iterator[Step]`, one entry
+here, its Tracer method (engine/trace.py) and its tests (docs/adding-a-decoder.md;
+engine/lookup.py is the worked example). Every decoder takes `trace`. A decoder that can adapt
+also takes `policy=` (None: its textbook loop with fixed knobs); what builds it lives with the
+rest of what adapts (engine/adapt/policy.py, POLICIES).
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Callable
+from typing import Callable, NamedTuple
 
-from engine import contrastive, lookahead, lookup, policy, speculative
+from engine import contrastive, lookahead, lookup, speculative
 from engine.draft import SelfDraft
 from engine.generate import plain
 
 
-@dataclass(frozen=True)
+class Knob(NamedTuple):
+    """One keyword of a decode() function, and the CLI flag --name-with-dashes made from it."""
+    name: str
+    type: Callable = int          # int, float, str; bool: a switch, off by default
+    default: object = None        # None: decode()'s own default holds
+    help: str = ""
+    choices: tuple = ()
+
+
+class Second(NamedTuple):
+    """A decoder's second model, named by one flag: a checkpoint dir or layers:L (an early exit)."""
+    flag: str                     # draft | amateur
+    default: str
+    help: str
+    early_exit: Callable = int    # layers:L -> what decode() takes for an early exit of the target
+
+
+@dataclass(frozen=True, kw_only=True)
 class Decoder:
     decode: Callable
-    knobs: tuple[str, ...] = ()     # decode()'s keyword knobs; the CLI flag is --knob-name
+    knobs: tuple[Knob, ...] = ()    # decode()'s keyword knobs
     sizes: tuple[str, ...] = ()     # knobs that size a step: the CLI clamps them to the token budget
-    second: str | None = None       # the flag naming its second model: a checkpoint or layers:L
-    early_exit: Callable = int      # layers:L -> what decode() takes for an early exit of the target
-    policy: Callable | None = None  # (model, [second,] prices, knobs) -> what decode(policy=) takes
-    fixed_by: tuple[str, ...] = ()  # knobs that, given, ask for the textbook loop: no policy
+    second: Second | None = None
     rejection: Callable = lambda knobs: False   # verifies by rejection? (sampled: plain's law, not its tokens)
     one_row: Callable = lambda knobs: False     # only one-row forwards? (then no k-row rounding to disclaim)
     held_to: str = "plain's"                    # whose tokens (or law) its k-row forwards must keep
+    about: str = ""                             # its flags' heading in --help
 
-    def adapts(self, knobs: dict, adaptive: bool = True) -> bool:
-        return self.policy is not None and adaptive and not set(self.fixed_by) & set(knobs)
+    @property
+    def names(self) -> tuple[str, ...]:
+        return tuple(k.name for k in self.knobs)
 
+
+SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
+AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
+NUM_DRAFT = Knob("num_draft", help="K draft tokens per step (--no-adaptive: default 4; adaptive: the K it starts "
+                                   "from, by default the best K at the draft's prior acceptance and price; "
+                                   "contrastive --speculative: a fixed K, default 4)")
 
 DECODERS = {
-    "plain": Decoder(plain, one_row=lambda knobs: True),
-    "lookahead": Decoder(lookahead.decode, ("window", "ngram", "guesses", "trim_layers"),
-                         ("window", "guesses", "ngram"), policy=policy.for_lookahead, fixed_by=("window", "guesses")),
-    "speculative": Decoder(speculative.decode, ("num_draft", "verify"), ("num_draft",), "draft", SelfDraft,
-                           policy.for_speculative, rejection=lambda k: k.get("verify", "rejection") == "rejection"),
-    "contrastive": Decoder(contrastive.decode, ("alpha", "beta", "form", "amateur_temperature",
-                                                "speculative", "num_draft"), ("num_draft",), "amateur",
-                           rejection=lambda k: bool(k.get("speculative")),
-                           one_row=lambda k: not k.get("speculative"), held_to="contrastive's"),
-    "lookup": Decoder(lookup.decode, ("lookup_ngram", "lookup_tokens"), ("lookup_tokens",), policy=policy.for_lookup),
+    "plain": Decoder(decode=plain, one_row=lambda knobs: True),
+    "lookahead": Decoder(
+        decode=lookahead.decode, sizes=("window", "guesses", "ngram"),
+        about="lookahead (giving --window or --guesses fixes both: the textbook loop)",
+        knobs=(Knob("window", help="W, Jacobi window columns (textbook default 5)"),
+               Knob("ngram", help="N, n-gram size (default 4)"),
+               Knob("guesses", help="G, candidate n-grams verified per step (default: W)"),
+               Knob("trim_layers", default=0, help="freeze window rows in the last m layers"))),
+    "speculative": Decoder(
+        decode=speculative.decode, sizes=("num_draft",), about="speculative",
+        knobs=(NUM_DRAFT, Knob("verify", str, "rejection", "rejection sampling, or coupled noise "
+                               "(seed-identical to plain)", ("rejection", "coupled"))),
+        second=Second("draft", "auto", "int4: the target's weights in 4 bits; layers:L: the target's first L "
+                      "layers; a checkpoint dir; auto (default): int4 where the cost model says it pays "
+                      "(--no-adaptive: where it can be built; never under a SIMD-less kernel dispatch), else "
+                      f"layers:{SELF_DRAFT_LAYERS}", SelfDraft),
+        rejection=lambda k: k.get("verify", "rejection") == "rejection"),
+    "contrastive": Decoder(
+        decode=contrastive.decode, sizes=("num_draft",), about="contrastive", held_to="contrastive's",
+        knobs=(Knob("alpha", float, 0.1, "keep tokens with p_E >= alpha * max p_E"),
+               Knob("beta", float, 1.0, "amateur weight (logit form); docs/quality.md chose 1.0"),
+               Knob("form", str, "logit", "score form", ("logit", "ratio")),
+               Knob("amateur_temperature", float, 1.0, "tau: p_A = softmax(l_A / tau)"),
+               Knob("speculative", bool, help="the amateur drafts, the expert verifies"), NUM_DRAFT),
+        second=Second("amateur", f"layers:{AMATEUR_LAYERS}", "amateur checkpoint dir, or layers:L: an early exit "
+                      "of the expert (default %(default)s)"),
+        rejection=lambda k: bool(k.get("speculative")), one_row=lambda k: not k.get("speculative")),
+    "lookup": Decoder(
+        decode=lookup.decode, sizes=("lookup_tokens",), about="lookup (prompt lookup decoding)",
+        knobs=(Knob("lookup_ngram", default=3, help="longest n-gram to match (tried from there down to 1)"),
+               Knob("lookup_tokens", default=8, help="K, tokens copied after the match and verified"))),
 }

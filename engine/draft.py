@@ -165,3 +165,20 @@ def draft_then_verify(pair: Separate | EarlyExit, seq: list[int], k: int, sample
     e = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device), k + 1)
     V = e.shape[-1]
     return drafts, torch.stack(q) if q else torch.zeros(0, V, dtype=torch.float64, device=device), a, e
+
+
+def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
+             logits: tuple[Tensor, Tensor] | None = None) -> dict:
+    """A draft-then-verify step, for its trace (engine/trace.py prints it): each draft's p(x), q(x) (the laws its verdict read), the
+    uniform u, and the verdict; then the target's own token (the correction, or the bonus if
+    all passed). With the models' `logits` (target (K+1, V), draft (K, V)), also their
+    probabilities of x at temperature 1: what a greedy trace shows, its laws being one-hot."""
+    k, m = len(drafts), len(out) - 1
+    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
+    at = lambda probs: probs[rows, ids].tolist()                                 # (K,)
+    px, qx = at(p), at(q)
+    pm, qm = [at(l[:k].float().softmax(-1)) for l in logits] if logits and k else (px, qx)
+    verdict = ["accept"] * m + ["reject"] * (m < k) + ["unverified"] * (k - m - 1)
+    return {"k": k, "next": out[-1], "bonus": m == k,
+            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v, "p_model": e, "q_model": f}
+                       for x, a, b, c, v, e, f in zip(drafts, px, qx, u, verdict, pm, qm)]}

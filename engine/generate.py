@@ -5,7 +5,7 @@ A decoder is a generator function
 One yield is one iteration of its algorithm (one target forward, prefill included); the
 Step holds the tokens it accepted. The first is plain's: the prompt alone, one token drawn
 (on the exact path a prompt is one attention call, so every decoder must make the same one:
-engine/invariant.py). Decoders never stop by themselves: `generate()` alone knows
+engine/fast/invariant.py). Decoders never stop by themselves: `generate()` alone knows
 the token budget, EOS and stop strings, and cuts a multi-token step exactly where one ends.
 Decoders size their caches from `max_new_tokens`, not the model's context.
 """

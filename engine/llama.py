@@ -55,7 +55,7 @@ class LlamaConfig:
     head_dim: int | None = None    # D; None = C / H (some checkpoints set it: H x D != C)
     attention_bias: bool = False   # biases on q, k, v and o
     mlp_bias: bool = False         # biases on gate, up and down
-    sliding_window: int | None = None  # set when it capped max_seq_len (engine/config.py)
+    sliding_window: int | None = None  # set when it capped max_seq_len (engine/load/config.py)
 
     def __post_init__(self):
         if self.head_dim is None:

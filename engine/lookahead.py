@@ -20,7 +20,7 @@ Choices where LADE and llama.cpp differ (the bench has the last word):
 - Column 0's n-gram is keyed by x itself (llama.cpp keys it by a stale window token).
 - The pool holds the prompt's, the emitted and the window's n-grams; the first guess is
   prompt lookup's (engine/lookup.py): its longest match of up to N-1 tokens.
-- A policy (engine/policy.py) may send a copy of the text instead (up to 8 tokens), a plain
+- A policy (engine/adapt/policy.py) may send a copy of the text instead (up to 8 tokens), a plain
   step, or fewer columns; the columns it does not send keep their levels until sent again.
 
 But: batch 1 only; window K/V are recomputed every step, never cached; no EOS handling (that
@@ -181,7 +181,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
 
     W = `window` columns, N = `ngram`, G = `guesses` (one given, the other is the same; neither,
     W = G = 5; W = 0: prompt lookup from the pool). `trim_layers` freezes the window's older
-    levels in the last layers. `policy` (engine/policy.py, Lookahead) chooses each step instead,
+    levels in the last layers. `policy` (engine/adapt/policy.py, Lookahead) chooses each step instead,
     up to its own largest W and G: a copy of the text sent alone, a plain step, or the first
     W' columns and G' guesses; columns not sent pause.
     """

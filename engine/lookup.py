@@ -5,11 +5,11 @@ transformers calls it `prompt_lookup_num_tokens`, llama.cpp `lookup`. Summaries,
 and chat answers copy whole stretches of their prompt, so the tokens that followed an earlier
 occurrence of the last few tokens are a free draft: no draft model, no extra state.
 
-This file is the README's "adding a decoder" example: a `decode` generator yielding one Step
-per target forward, one line in engine/decoders.py, a flag per knob in engine/run.py
-(--lookup-ngram, --lookup-tokens) and tests/test_lookup.py. The drafts are checked with
+This file is docs/adding-a-decoder.md's worked example: a `decode` generator yielding one Step
+per target forward, one entry in engine/decoders.py whose knobs become the CLI's flags
+(--lookup-ngram, --lookup-tokens), and tests/test_lookup.py. The drafts are checked with
 `verify_match`, so the output is plain decoding's, greedy or sampled with the same seed.
-A policy (engine/policy.py, CopyLength; the CLI's default) cuts each guess to the length that
+A policy (engine/adapt/policy.py, CopyLength; the CLI's default) cuts each guess to the length that
 pays for its rows, as lookahead's copy arm does, so a text that does not repeat decodes at
 plain's pace.
 But: a linear scan for the match (llama.cpp keeps an n-gram map), one guess per step.

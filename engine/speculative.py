@@ -10,7 +10,7 @@ The draft is another Llama with the target's vocab (such as `api.build(checkpoin
 the target's own weights in 4 bits), or `SelfDraft(L)`: the target's layers [0, L) + its norm and
 head (an early exit), sharing the target's weights and KV cache (engine/draft.py). Either way
 the target decides every token: the output is the target's, however good the draft.
-K is fixed (`num_draft`) unless a policy chooses it per step (engine/policy.py, DraftLength).
+K is fixed (`num_draft`) unless a policy chooses it per step (engine/adapt/policy.py, DraftLength).
 But: batch size 1, one chain of drafts (no trees), no drafts with another tokenizer.
 """
 from __future__ import annotations
@@ -19,11 +19,10 @@ from typing import Iterator
 
 import torch
 
-from engine.draft import SelfDraft, draft_then_verify, pair_for
+from engine.draft import SelfDraft, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
-from engine.trace import verdicts
 
 
 def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sampler: Sampler,
@@ -38,7 +37,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
         coupled:   y_i ~ p_i with plain's key ("token", n+i); accept while y_i == x_{n+i}
         all K accepted: bonus y ~ p_K;  emit accepted drafts + y
         truncate both caches to the committed prefix
-    p_i is the target's law at position n+i (its row after x_<n+i). `policy` (engine/policy.py,
+    p_i is the target's law at position n+i (its row after x_<n+i). `policy` (engine/adapt/policy.py,
     DraftLength) picks K per step from the tokens seen, K = 0 a plain step: never the law,
     and a seed gives the same tokens on every run. `trace` puts each draft's p(x), q(x), u and
     verdict in `Step.trace` (engine/trace.py prints it).

@@ -15,6 +15,7 @@ A block starts "#n @t kind": step n, whose first new token sits at position t.
 """
 from __future__ import annotations
 
+import contextlib
 import sys
 from typing import Callable, Iterable, Iterator
 
@@ -22,23 +23,6 @@ import torch
 from torch import Tensor
 
 from engine.lookahead import step_rows, tree_mask
-
-
-def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
-             logits: tuple[Tensor, Tensor] | None = None) -> dict:
-    """A draft-then-verify step: each draft's p(x), q(x) (the laws its verdict read), the
-    uniform u, and the verdict; then the target's own token (the correction, or the bonus if
-    all passed). With the models' `logits` (target (K+1, V), draft (K, V)), also their
-    probabilities of x at temperature 1: what a greedy trace shows, its laws being one-hot."""
-    k, m = len(drafts), len(out) - 1
-    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
-    at = lambda probs: probs[rows, ids].tolist()                                 # (K,)
-    px, qx = at(p), at(q)
-    pm, qm = [at(l[:k].float().softmax(-1)) for l in logits] if logits and k else (px, qx)
-    verdict = ["accept"] * m + ["reject"] * (m < k) + ["unverified"] * (k - m - 1)
-    return {"k": k, "next": out[-1], "bonus": m == k,
-            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v, "p_model": e, "q_model": f}
-                       for x, a, b, c, v, e, f in zip(drafts, px, qx, u, verdict, pm, qm)]}
 
 
 def claimed(trace: dict) -> list[int]:
@@ -50,7 +34,7 @@ def claimed(trace: dict) -> list[int]:
         return list(trace["grams"][trace["best"]][:trace["accepted"]] if trace["accepted"] else []) + [trace["next"]]
     if kind == "lookup":
         return trace["guess"][:trace["accepted"]] + [trace["next"]]
-    if "drafts" not in trace or "next" not in trace:   # a new decoder's own keys (README: Adding a decoder)
+    if "drafts" not in trace or "next" not in trace:   # a new decoder's own keys (docs/adding-a-decoder.md)
         raise ValueError(f"claimed(): no rule for a {kind!r} trace; give it one here, or speculative's "
                          "keys: 'drafts' (each with 'token' and 'verdict') and 'next'")
     return [d["token"] for d in trace["drafts"] if d["verdict"] == "accept"] + [trace["next"]]
@@ -170,6 +154,8 @@ def traced(steps: Iterable, tracer: Tracer, file=None, cut: Callable | None = No
             lines = tracer.lines(n, step.trace)
             if len(take) < len(step.tokens):
                 lines.append(f"  kept {tracer.show(take)}: the run ends there (EOS, --stop or the budget)")
-            print("\n".join(lines), file=file or sys.stderr, flush=True)
+            # a closed or full stderr loses the trace, never the answer the trace came with
+            with contextlib.suppress(OSError, ValueError):
+                print("\n".join(lines), file=file or sys.stderr, flush=True)
         out += take
         yield step

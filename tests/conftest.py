@@ -32,10 +32,10 @@ def pytest_configure(config):
 
 
 def int4_copy(target: Llama) -> Llama:
-    """The target's weights in 4-bit groups (engine/packed.py), as the CLI's --draft int4 builds
+    """The target's weights in 4-bit groups (engine/fast/packed.py), as the CLI's --draft int4 builds
     its draft from the checkpoint: a float CPU model not yet prepacked."""
     import copy
-    from engine.packed import quantize_int4
+    from engine.fast.packed import quantize_int4
     return quantize_int4(copy.deepcopy(target).float())
 
 

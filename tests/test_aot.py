@@ -1,4 +1,4 @@
-"""The 4-bit step compiled ahead of time (engine/aot.py, --compile): a k-row forward's rows get
+"""The 4-bit step compiled ahead of time (engine/fast/aot.py, --compile): a k-row forward's rows get
 the compiled one-row step's bits, so every decoder prints the compiled plain's tokens; a forward
 that had to run eager is counted; a stored step is loaded, never rebuilt; and where it cannot
 compile or load, it says so once and leaves the eager model working.
@@ -15,10 +15,11 @@ import pytest
 import torch
 
 from conftest import prompt_for, run, tiny_llama
-from engine import aot, llama, lookahead, lookup, packed, speculative
+from engine import llama, lookahead, lookup, speculative
 from engine.draft import SelfDraft
+from engine.fast import aot, packed
+from engine.fast.invariant import row_attention
 from engine.generate import plain
-from engine.invariant import row_attention
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
 from engine.sampling import Sampler
@@ -45,7 +46,7 @@ def int4(seed: int = 0, batch_invariant: bool = True):
 def folder():
     """Where the CLI and the API keep steps (this session's private cache: conftest.py), so
     they load what `fast` built."""
-    from engine.cost import cache_home
+    from engine.fast.artifacts import cache_home
     return cache_home() / "engine"
 
 
@@ -282,11 +283,11 @@ def test_a_step_that_crashes_its_trial_process_is_one_notice_and_never_kept(monk
     got = aot.compile_step(int4(), notes.append, tmp_path)
     assert notes[1:] == ["compile: RuntimeError: the compiled step crashed a trial process (SIGSEGV); running eager"]
     assert "blocks" not in got.__dict__ and list(tmp_path.iterdir()) == [] and torch.equal(one_row_steps(got), want)
-    monkeypatch.setattr(aot, "TRIAL", "import sys; sys.exit('ImportError: no engine.aot here')")
+    monkeypatch.setattr(aot, "TRIAL", "import sys; sys.exit('ImportError: no engine.fast.aot here')")
     notes = []
     aot.compile_step(int4(), notes.append, tmp_path)
     assert notes[1] == ("compile: RuntimeError: the compiled step failed in a trial process: "
-                        "ImportError: no engine.aot here; running eager") and list(tmp_path.iterdir()) == []
+                        "ImportError: no engine.fast.aot here; running eager") and list(tmp_path.iterdir()) == []
 
 
 def test_what_it_cannot_compile_is_one_notice(tmp_path):
@@ -350,7 +351,7 @@ def test_the_cli_builds_once_then_loads_and_claims_plains_tokens_only_where_noth
     # claim ignoring the eager count. subtle: the API test below loads this checkpoint's stack
     # from the same cache; run before this one (a shuffled order), it has built it, so "builds"
     # is asserted exactly when this run wrote the file
-    from engine.run import main
+    from engine.doors.cli import main
     argv = ["--checkpoint", str(tiny_checkpoint), "--int4", "--dtype", "bfloat16", "--compile",
             "--prompt", "hello world", "--max-new-tokens", "16", "--json"]
     def cli(*more):
@@ -374,8 +375,8 @@ def test_the_api_compiles_as_the_cli_does_and_an_early_exit_gets_its_halves(fast
     # run eager and round apart from the compiled plain's. Caught broken variant: tokens() not
     # compiling the halves (the eager count was not 0). The halves are `fast`'s, kept in the
     # cache the API reads: loaded here, not built again
-    from engine.api import Engine
-    from engine.tokenizer import Tokenizer
+    from engine.doors.api import Engine
+    from engine.load.tokenizer import Tokenizer
     assert isinstance(Engine.load(tiny_checkpoint, int4=True, dtype=torch.bfloat16, compile=True).model.blocks,
                       aot.Compiled)
     with pytest.raises(ValueError, match="int4=True"):

@@ -1,4 +1,4 @@
-"""engine/api.py: the CLI's answer from Python, every decoder by name, and the README's snippet
+"""engine/doors/api.py: the CLI's answer from Python, every decoder by name, and the README's snippet
 runs as written."""
 import json
 import re
@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine.api import Engine
+from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
-from engine.run import main
-from engine.tokenizer import Tokenizer
-from engine.weights import DEFAULT_CHECKPOINT, load_model
+from engine.doors.api import Engine
+from engine.doors.cli import main
+from engine.load.tokenizer import Tokenizer
+from engine.load.weights import DEFAULT_CHECKPOINT, load_model
 from test_weights import hf_tensors, write_gguf
 from tools.convert import convert
 
@@ -51,7 +52,7 @@ def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
 
 def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
     # Why: batch_invariant is the API's --batch-invariant; fp32 rows then round alike, bit for bit
-    from engine.invariant import row_attention, rows_round_alike
+    from engine.fast.invariant import row_attention, rows_round_alike
     llm = Engine.load(ckpt, batch_invariant=True)
     assert llm.model.layers[0].attention.attend is row_attention and rows_round_alike(llm.model)
     want = list(llm.tokens("the the the", max_new_tokens=16))
@@ -64,8 +65,8 @@ def test_int4_is_the_clis_4_bit_path(ckpt, capsys):
     # Why: Engine.load(int4=True) is the API's --int4 --dtype bfloat16: the same 4-bit layers
     # and, by default as there, the exact kernels, so one prompt gives the CLI's tokens and
     # every decoder gives its plain's
-    from engine.invariant import rows_round_alike
-    from engine.packed import Int4Linear
+    from engine.fast.invariant import rows_round_alike
+    from engine.fast.packed import Int4Linear
     argv = ["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "12", "--int4",
             "--dtype", "bfloat16", "--json"]
     assert main(argv) == 0
@@ -85,13 +86,13 @@ def test_a_policy_reads_the_prices_the_cli_gives_it(ckpt, monkeypatch, capsys):
     # sends other rows, which round apart), so the API's adaptive decoders must be priced as the
     # CLI's are: this machine's measured costs, not fixed slopes
     import dataclasses
-    seen, real = [], DECODERS["lookup"].policy
+    seen, real = [], POLICIES["lookup"].build
 
     def spy(model, prices, knobs):
         seen.append(prices)
         return real(model, prices, knobs)
 
-    monkeypatch.setitem(DECODERS, "lookup", dataclasses.replace(DECODERS["lookup"], policy=spy))
+    monkeypatch.setitem(POLICIES, "lookup", dataclasses.replace(POLICIES["lookup"], build=spy))
     assert main(["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "4",
                  "--decoder", "lookup", "--json"]) == 0
     capsys.readouterr()

@@ -126,7 +126,7 @@ def test_hfs_reference_splits_its_decode_from_its_prompt_and_answers_the_golden_
     # >= 3x HF); its rate must leave the prompt's forward out, as the engine's and llama.cpp's do
     import sys
     from tools.bench import hf_reference
-    from engine.weights import DEFAULT_CHECKPOINT
+    from engine.load.weights import DEFAULT_CHECKPOINT
     pytest.importorskip("transformers")
     if not (DEFAULT_CHECKPOINT / "config.json").is_file():
         pytest.skip("run `make weights` first")
@@ -155,7 +155,7 @@ def test_the_decode_table_compares_rates_with_the_prompts_forward_excluded():
 
 def test_a_bad_llama_cpp_binary_exits_2_before_the_long_run(tmp_path, capsys):
     from tools.bench import main
-    from engine.weights import DEFAULT_CHECKPOINT
+    from engine.load.weights import DEFAULT_CHECKPOINT
     if not (DEFAULT_CHECKPOINT / "config.json").is_file():
         pytest.skip("needs make weights")
     gguf = tmp_path / "m.gguf"
@@ -221,7 +221,7 @@ TOOLS = ("bench", "split", "exact", "fidelity", "quality", "prove", "prove_hf", 
 
 def test_every_tool_starts_with_docstrings_stripped():
     # Why: the tools' --help descriptions come from their docstrings, which python -OO strips
-    # (None); each tool must still start there, as engine.run does (tests/test_cli.py)
+    # (None); each tool must still start there, as engine.doors.cli does (tests/test_cli.py)
     import subprocess
     import sys
     code = ("import contextlib, importlib, io, sys\n"
@@ -238,7 +238,7 @@ def test_a_figure_taken_under_another_kernel_dispatch_says_so(monkeypatch):
     # why: `make test`'s second dispatch (ATEN_CPU_CAPABILITY=avx2 and its two companions) or
     # OMP_NUM_THREADS change the kernels and threads a figure was measured with; the machine
     # line every table carries names them, and names nothing when none is set
-    from engine.cost import kernel_env
+    from engine.fast.artifacts import kernel_env
     from tools.machine import describe, machine
     for k in kernel_env():
         monkeypatch.delenv(k, raising=False)

@@ -10,8 +10,8 @@ import pytest
 import torch
 
 from conftest import unnamed_decoders
-from engine.run import before_stop, main, stats_line
-from engine.weights import DEFAULT_CHECKPOINT
+from engine.doors.cli import before_stop, main, stats_line
+from engine.load.weights import DEFAULT_CHECKPOINT
 
 pytestmark = pytest.mark.usefixtures("user_threads")   # a user's threads: conftest.py
 
@@ -27,8 +27,8 @@ def built_once():
     """The CLI's models, each built once for this module and kept while used (the last 3): a
     build takes seconds, and these tests are about what the CLI does with the model (its
     loading is tests/test_weights.py's and tests/test_api.py's)."""
-    import engine.run
-    build, kept = engine.run.build, {}
+    import engine.doors.cli
+    build, kept = engine.doors.cli.build, {}
 
     def once(checkpoint, **how):
         key = (str(checkpoint), *sorted(how.items()))
@@ -37,7 +37,7 @@ def built_once():
             kept.pop(next(iter(kept)))                 # the least recently used
         return kept[key]
     with pytest.MonkeyPatch.context() as m:
-        m.setattr(engine.run, "build", once)
+        m.setattr(engine.doors.cli, "build", once)
         yield
 
 
@@ -141,7 +141,7 @@ INT4_DECODERS = ["lookahead", "lookahead trimmed", "speculative", "speculative c
 
 
 def test_every_registered_decoder_is_held_to_plain_on_the_real_checkpoint():
-    # Why: a decoder added to the registry (README, "Adding a decoder") must be run against plain
+    # Why: a decoder added to the registry (docs/adding-a-decoder.md) must be run against plain
     # on the real weights, fp32 and int4, by the two tests below: a label of each list names it
     assert unnamed_decoders(GREEDY_DECODERS, but=["plain"]) == unnamed_decoders(INT4_DECODERS, but=["plain"]) == []
 
@@ -193,10 +193,10 @@ def test_draft_auto_builds_no_4_bit_draft_where_the_4_bit_kernel_is_scalar(monke
     # Why: under a SIMD-less dispatch (ATEN_CPU_CAPABILITY=default) torch's 4-bit matmul is a
     # scalar loop, far dearer than the fp32 target: building that draft and timing its price
     # took minutes, for a draft auto never takes. There auto self-drafts at once.
-    import engine.run
-    built, build = [], engine.run.build   # the module's kept builds (built_once)
-    monkeypatch.setattr(engine.run, "ATEN_CAPABILITY", "DEFAULT")
-    monkeypatch.setattr(engine.run, "build", lambda ckpt, **how: built.append(how["int4"]) or build(ckpt, **how))
+    import engine.doors.cli
+    built, build = [], engine.doors.cli.build   # the module's kept builds (built_once)
+    monkeypatch.setattr(engine.doors.cli, "ATEN_CAPABILITY", "DEFAULT")
+    monkeypatch.setattr(engine.doors.cli, "build", lambda ckpt, **how: built.append(how["int4"]) or build(ckpt, **how))
     out = run_json(["--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative", "--draft-cost", "0.05"],
                    capsys)
     assert out["draft"] == "layers:20" and built == [False]   # at 0.05 a 4-bit draft would have won
@@ -231,8 +231,8 @@ def test_4bit_and_bfloat16_paths_are_exact_by_default_and_say_so_only_without_th
     # Why: the exact kernels cost a bf16 or 4-bit one-row step nothing measurable (plain's step
     # is SDPA either way), so they are the default there; --no-batch-invariant turns them off,
     # and then the stats line says the tokens may leave plain's
-    from engine.api import build
-    from engine.invariant import row_attention
+    from engine.doors.session import build
+    from engine.fast.invariant import row_attention
     model = build(DEFAULT_CHECKPOINT, dtype=torch.bfloat16, int4=bool(path))   # the CLI's default build
     assert model.layers[0].attention.attend is row_attention        # the default did turn them on
     argv = ["--prompt", PROMPT, "--max-new-tokens", "24", "--dtype", "bfloat16", "--no-adaptive"] + path
@@ -384,7 +384,7 @@ def test_a_self_draft_shows_its_draft_forwards(capsys):
 def test_the_stats_line_says_when_a_decoder_may_leave_plains_tokens():
     # Why: on --int4 or bf16 a k-row forward rounds apart from a one-row one, so lookahead's
     # tokens may differ from plain's there; the user must read that, not find it out
-    from engine.run import stats_line
+    from engine.doors.cli import stats_line
     r = {"decoder": "lookahead", "step_lengths": {1: 3}, "draft_forwards": 0, "acceptance": None,
          "n_tokens": 3, "n_forwards": 3, "tokens_per_forward": 1.0, "prefill_seconds": 0.1,
          "decode_tokens_per_second": 9.0, "exact_path": False, "held_to": "plain's"}
@@ -418,7 +418,7 @@ def test_each_decoder_promises_whose_tokens_or_law_its_registry_line_says(name, 
     # Why: the stats line and --json's held_to/law_of tell a user what a run may be held to; the
     # registry (rejection, one_row, held_to), not the decoder's name, decides it
     from engine.decoders import DECODERS
-    from engine.run import promise
+    from engine.doors.cli import promise
     assert promise(DECODERS[name], knobs, temperature) == want
 
 
@@ -437,7 +437,7 @@ def knob_defaults_that_disagree(parser) -> list[str]:
     wrong = []
     for name, d in DECODERS.items():
         own = {k: p.default for k, p in inspect.signature(d.decode).parameters.items()}
-        for knob in d.knobs:
+        for knob in d.names:
             if knob not in flags or flags[knob] not in (None, own[knob]):
                 wrong.append(f"{name} {knob}: flag {flags.get(knob, 'missing')!r}, decode() {own[knob]!r}")
     return wrong
@@ -446,7 +446,7 @@ def knob_defaults_that_disagree(parser) -> list[str]:
 def test_every_knobs_flag_defaults_to_decodes_own_default():
     # Why: a knob's default is written twice, in decode() and in its CLI flag; the CLI must not
     # run a decoder with another value than the one its docstring and the API use
-    from engine.run import parser
+    from engine.doors.cli import parser
     assert knob_defaults_that_disagree(parser()) == []
     p = parser()
     p.set_defaults(lookup_tokens=9)                     # the broken variant: one default drifted
@@ -472,7 +472,7 @@ def test_a_home_that_cannot_keep_the_table_prices_by_constants_and_says_so(tmp_p
     # run of a command to the next; where nothing can be kept, nothing is measured
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
-    monkeypatch.setattr("engine.cost.measure", lambda m: pytest.fail("measured where nothing can be kept"))
+    monkeypatch.setattr("engine.adapt.cost.measure", lambda m: pytest.fail("measured where nothing can be kept"))
     assert main(["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]) == 0
     notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note: ")]
     assert len(notes) == 1 and "cannot keep" in notes[0] and "fixed constants" in notes[0]
@@ -483,10 +483,10 @@ def test_the_exact_claim_is_probed_once_per_machine_and_read_back(tmp_path, monk
     # Why: exact_path rests on invariant.rows_round_alike, ~0.7 s of one-row head calls a run;
     # the CLI keeps its answer beside the prices (cost.probed) and later runs read it back.
     # Caught broken variant: run() calling the probe itself (no call was kept)
-    import engine.invariant
+    import engine.fast.invariant
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    probe, said = engine.invariant.rows_round_alike, []
-    monkeypatch.setattr(engine.invariant, "rows_round_alike", lambda m: said.append(probe(m)) or said[-1])
+    probe, said = engine.fast.invariant.rows_round_alike, []
+    monkeypatch.setattr(engine.fast.invariant, "rows_round_alike", lambda m: said.append(probe(m)) or said[-1])
     argv = ["--prompt", "hi", "--max-new-tokens", "2"] + INT4_EXACT
     first, again = run_json(argv, capsys), run_json(argv, capsys)
     assert len(said) == 1 and first["exact_path"] == again["exact_path"] == said[0]   # its answer, kept

@@ -1,4 +1,4 @@
-"""The adaptive decoders' price list (engine/cost.py), and the promise it exists for: the same
+"""The adaptive decoders' price list (engine/adapt/cost.py), and the promise it exists for: the same
 command and seed print the same tokens, whatever the wall clock says, on every path.
 
 On an inexact path (bf16, int4) a k-row forward rounds a row differently from a one-row
@@ -16,8 +16,10 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine import cost, lookahead, policy, speculative
+from engine import lookahead, speculative
+from engine.adapt import cost, policy
 from engine.draft import SelfDraft
+from engine.fast import artifacts
 from engine.generate import generate
 from engine.llama import Llama
 from engine.sampling import Random, Sampler
@@ -212,11 +214,11 @@ def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_befor
     names = iter(["NVIDIA H100 80GB HBM3", "NVIDIA H200"])
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda device=None: next(names))
     cuda = torch.device("cuda:0")
-    assert cost.device_name(cuda) != cost.device_name(cuda)
-    assert cost.device_name(torch.device("cpu")) == "cpu"
+    assert artifacts.device_name(cuda) != artifacts.device_name(cuda)
+    assert artifacts.device_name(torch.device("cpu")) == "cpu"
     # and the key a table is kept under holds it
     monkeypatch.setattr(cost, "device_name", lambda device: "the device's name")
-    assert "the device's name" in cost.model_key(tiny_llama(0))
+    assert "the device's name" in artifacts.model_key(tiny_llama(0))
 
 
 def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_kept(tmp_path, monkeypatch):
@@ -228,10 +230,10 @@ def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_ke
     # Caught broken variants: a key without the variables, or without the flags (a second
     # dispatch read the first's answer); a kept answer read as truthy, not as True, or read
     # without checking that it is an object (a traceback); an unreadable file raised
-    from engine import invariant
+    from engine.fast import invariant
     calls = []
     monkeypatch.setattr(invariant, "rows_round_alike", lambda m: calls.append(m) or len(calls) == 1)
-    for k in cost.kernel_env():
+    for k in artifacts.kernel_env():
         monkeypatch.delenv(k)
     model = tiny_llama(0)
     assert cost.probed(model, tmp_path) and cost.probed(model, tmp_path) and len(calls) == 1
@@ -241,8 +243,8 @@ def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_ke
     assert not cost.probed(model, tmp_path) and len(calls) == 3                   # kept as False
     monkeypatch.setenv("DNNL_MAX_CPU_ISA", "AVX2")                               # oneDNN's older prefix
     assert not cost.probed(model, tmp_path) and len(calls) == 4
-    real, before = cost.cpuinfo, set(tmp_path.iterdir())                      # the same name,
-    monkeypatch.setattr(cost, "cpuinfo", lambda f: "fpu avx2" if f == "flags" else real(f))   # fewer flags
+    real, before = artifacts.cpuinfo, set(tmp_path.iterdir())                      # the same name,
+    monkeypatch.setattr(artifacts, "cpuinfo", lambda f: "fpu avx2" if f == "flags" else real(f))   # fewer flags
     assert not cost.probed(model, tmp_path) and len(calls) == 5
     [path] = set(tmp_path.iterdir()) - before                                 # that answer's file
     for kept in ('{"rows_round_alike": "yes"}', '[true]'):                       # only true is true
@@ -259,7 +261,7 @@ def test_the_probes_key_holds_the_code_it_probes(tmp_path, monkeypatch):
     # Why: an answer kept by an older engine (another row_attention, another PackedLinear) is not
     # this one's; the key holds a hash of invariant.py, packed.py and llama.py. Caught broken
     # variant: a key without it (the edited code read the old answer)
-    from engine import invariant, packed
+    from engine.fast import invariant, packed
     calls = []
     monkeypatch.setattr(invariant, "rows_round_alike", lambda m: calls.append(m) or True)
     model = tiny_llama(0)

@@ -55,7 +55,7 @@ def test_sweep_finds_exact_decoders_identical_and_catches_a_flipped_token():
 
 def test_the_sweep_runs_every_registered_decoder_but_plain():
     # Why: `make exact` is the proof in tokens on the real weights; a decoder added to the
-    # registry (README, "Adding a decoder") must get its rows in tools/exact.py's runs()
+    # registry (docs/adding-a-decoder.md) must get its rows in tools/exact.py's runs()
     from tools.exact import runs
     swept = {r.decode for r in runs()}
     assert [name for name, d in DECODERS.items() if name != "plain" and d.decode not in swept] == []
@@ -72,7 +72,7 @@ def test_margin_is_zero_on_the_exact_fp32_path_and_not_without_it():
     # it must read 0 where rows round alike (--batch-invariant) and see SDPA's rounding elsewhere
     import torch
     from engine.llama import Llama, LlamaConfig
-    from engine.packed import prepack
+    from engine.fast.packed import prepack
     from tools.exact import margin
     cfg = LlamaConfig(dim=64, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=96, vocab_size=64,
                       head_dim=64)   # SmolLM2's heads, where SDPA rounds a row by the call's shape

@@ -11,8 +11,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine.packed import prepack, quantize_int4
-from engine.weights import DEFAULT_CHECKPOINT, load_model
+from engine.fast.packed import prepack, quantize_int4
+from engine.load.weights import DEFAULT_CHECKPOINT, load_model
 from tools import fidelity
 
 pytestmark = pytest.mark.usefixtures("user_threads")   # a user's threads: conftest.py

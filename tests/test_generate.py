@@ -82,7 +82,7 @@ def test_hit_rate_counts_only_steps_that_verified_a_draft():
 
 
 def test_every_decoders_first_forward_is_its_prompt_alone_as_plains():
-    # Why: on the exact path a prompt is one SDPA call (engine/invariant.py), whose rows round by
+    # Why: on the exact path a prompt is one SDPA call (engine/fast/invariant.py), whose rows round by
     # the call's shape; a decoder whose first forward also sent guesses or drafts would round
     # its prompt apart from plain's. So every decoder's first step is plain's prefill: each
     # pass through the target's layers before the first yield sees the prompt alone, causal,
@@ -114,7 +114,7 @@ PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]   # it repeats itself: lookup a
 def cases() -> list[tuple]:
     """(decoder, its second model, its knobs): one case per registry line at least."""
     from engine.draft import SelfDraft
-    from engine.policy import CopyLength, DraftLength, Lookahead
+    from engine.adapt.policy import CopyLength, DraftLength, Lookahead
     rows = lambda k: 1.0 + 0.01 * k                      # cheap rows: every policy sends guesses
     return [("plain", (), {}), ("lookahead", (), {"window": 3, "ngram": 3}),
             ("lookahead", (), {"window": 3, "ngram": 3, "trim_layers": 1}),

@@ -1,4 +1,4 @@
-"""Batch invariance (engine/invariant.py): each attention row, and each row the probe checks,
+"""Batch invariance (engine/fast/invariant.py): each attention row, and each row the probe checks,
 rounds alike however many rows share the call, wherever its masked keys sit; the broken
 variants (one matmul over all keys, SDPA over all rows, a kernel that treats one row apart)
 are shown to fail the same tests.
@@ -8,7 +8,7 @@ import random
 import pytest
 import torch
 
-from engine import invariant, packed
+from engine.fast import invariant, packed
 
 
 # --------------------------------------------------------------------------- attention

@@ -14,7 +14,7 @@ from engine.draft import lower, upper
 from engine.kvcache import KVCache
 import engine.llama
 from engine.llama import apply_rope, attention_kernels, causal_mask, rope
-from engine.config import config_from_hf
+from engine.load.config import config_from_hf
 
 ATOL = 1e-10
 

@@ -8,7 +8,8 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
-from engine import lookahead, policy
+from engine import lookahead
+from engine.adapt import policy
 from engine.generate import Stats, generate, plain
 from engine.kvcache import KVCache
 from engine.sampling import Random, Sampler, verify_match

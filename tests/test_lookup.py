@@ -6,7 +6,8 @@ import torch
 from hypothesis import Phase, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
-from engine import lookup, policy
+from engine import lookup
+from engine.adapt import policy
 from engine.generate import Stats, plain
 from engine.kvcache import KVCache
 from engine.sampling import Random, Sampler, verify_match

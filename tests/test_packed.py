@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from engine import packed
+from engine.fast import packed
 from engine.kvcache import KVCache
 from conftest import DEVICE, tiny_llama
 
@@ -217,7 +217,7 @@ def test_padded_matmuls_round_a_row_alike_at_every_row_count(dtype):
     torch.testing.assert_close(alone, torch.nn.functional.linear(x, lin.weight), rtol=2e-2, atol=2e-2)
     if DEVICE.type == "cuda" and dtype == torch.float32:   # the broken variant: each call at its
         # own row count. On an H200 fp32 rows rounded apart so; bf16's happened to agree at this
-        # shape (docs/cuda/run4/pytest.txt), so no run shows bf16's cuBLAS needing the padding
+        # shape (docs/archive/cuda-run4/pytest.txt), so no run shows bf16's cuBLAS needing the padding
         one_row = torch.cat([torch.nn.functional.linear(x[i:i + 1], lin.weight) for i in range(100)])
         assert not all(torch.equal(torch.nn.functional.linear(x[:M], lin.weight), one_row[:M])
                        for M in (2, 5, 32, 33, 40, 64, 100))
@@ -232,7 +232,7 @@ def test_batch_invariant_pads_every_matmul_on_cuda_and_is_refused_elsewhere_off_
         packed.prepack(model, batch_invariant=True)
     assert packed.prepack(model) is model and type(model.layers[0].attention.wqkv) is torch.nn.Linear
     if DEVICE.type == "cuda":
-        from engine.invariant import row_attention
+        from engine.fast.invariant import row_attention
         model = packed.prepack(tiny_llama(0, vocab=64).float(), batch_invariant=True)
         assert all(type(m) is packed.PaddedLinear for b in model.layers for m in
                    (b.attention.wqkv, b.attention.wo, b.feed_forward.w13, b.feed_forward.w2))

@@ -1,4 +1,4 @@
-"""The policy (engine/policy.py): what adapts, tested against its own contract. It chooses
+"""The policy (engine/adapt/policy.py): what adapts, tested against its own contract. It chooses
 what it says it chose, on every step and every size it can choose; it reads prices pinned to
 measured values; it learns only from decided tokens; it never loses to plain decoding by more
 than its exploration budget; and a decoder under any policy prints the textbook loop's tokens.
@@ -14,12 +14,13 @@ import torch
 from hypothesis import example, given, settings, strategies as st
 
 from conftest import prompt_for, run, tiny_llama
-from engine import lookahead, lookup, policy, speculative
+from engine import lookahead, lookup, speculative
+from engine.adapt import policy
 from conftest import int4_copy
+from engine.adapt.policy import Prices, best_k
 from engine.draft import SelfDraft
 from engine.generate import generate, plain
 from engine.lookup import find
-from engine.policy import Prices, best_k
 from engine.sampling import Random, Sampler
 
 GREEDY = Sampler()

@@ -94,3 +94,81 @@ class OffByOneStart(Pool):
 @pytest.mark.parametrize("pool_cls", [EvictsNewest, NoRefresh, KeyIsLastToken, OffByOneStart], ids=lambda c: c.__name__)
 def test_a_pool_that_files_differently_fails(pool_cls):
     assert filing_failures(pool_cls) != []
+
+
+# --------------------------------------------------------------------------- what a decode step files
+
+def filed_against_window(advance_fn=None, seed=0, n_tokens=24):
+    """[(what a step filed from its window, what its trace says the window produced)] per
+    lookahead step: each sent column's chain (x for column 0, then the column's levels) and the
+    argmax of its newest row, keyed by the chain's first token."""
+    import torch
+
+    from conftest import tiny_llama
+    from engine import lookahead
+    from engine.sampling import Random, Sampler
+
+    filed = []
+
+    class Recording(lookahead.Pool):
+        def add(self, key, gram):
+            filed.append((key, gram))
+            super().add(key, gram)
+
+    model = tiny_llama(seed)
+    prompt = torch.randint(0, 16, (6,), generator=torch.Generator().manual_seed(seed)).tolist()
+    pairs, real_advance, real_pool = [], lookahead.advance, lookahead.Pool
+    lookahead.Pool = Recording
+    lookahead.advance = advance_fn or real_advance
+    try:
+        steps = lookahead.decode(model, prompt, sampler=Sampler(), rng=Random(seed), max_new_tokens=n_tokens,
+                                 window=3, ngram=3, guesses=8, trace=True)
+        emitted = 0
+        for step in steps:
+            emitted += len(step.tokens)
+            if emitted > n_tokens - 1:   # the budget's last step may be cut: not asked of the decoder
+                break
+            t = step.trace
+            got, filed[:] = list(filed), []
+            if t["first"] or not t.get("minted"):
+                continue
+            levels, x = t["levels"], t["x"]
+            want = []
+            for k, new in enumerate(t["minted"]):
+                chain = [x if k == 0 else levels[0][k]] + [level[k] for level in levels[1:]] + [new]
+                want.append((chain[0], tuple(chain[1:])))
+            pairs.append((got[:len(want)], want))
+    finally:
+        lookahead.Pool, lookahead.advance = real_pool, real_advance
+    return pairs
+
+
+def test_a_step_files_each_window_column_under_its_first_token():
+    # Why: verification is exact whatever the pool holds, so a window n-gram filed under the
+    # wrong first token changes no token and no law; only the guesses it feeds go wrong. After
+    # each step the pool must hold what the window produced: each column's chain and newest
+    # prediction, keyed by the chain's first token (x for column 0)
+    for seed in range(3):
+        pairs = filed_against_window(seed=seed)
+        assert len(pairs) >= 5 and all(got == want for got, want in pairs), pairs
+
+
+def test_the_filing_contract_catches_a_window_gram_under_the_wrong_key():
+    # broken variants: column 0 keyed by the window's dead slot, not x; every gram keyed by its
+    # second token
+    from engine.lookahead import Pool
+
+    def dead_slot(pool: Pool, levels, x, new):
+        for k in range(len(new)):
+            chain = [levels[0][k]] + [level[k] for level in levels[1:]] + [new[k]]
+            pool.add(chain[0], tuple(chain[1:]))
+        return levels[1:] + [new]
+
+    def second_token(pool: Pool, levels, x, new):
+        for k in range(len(new)):
+            chain = [x if k == 0 else levels[0][k]] + [level[k] for level in levels[1:]] + [new[k]]
+            pool.add(chain[1], tuple(chain[1:]))
+        return levels[1:] + [new]
+
+    for broken in (dead_slot, second_token):
+        assert any(got != want for got, want in filed_against_window(broken)), broken.__name__

@@ -10,7 +10,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama, unnamed_decoders
-from engine import contrastive, lookahead, lookup, policy, speculative
+from engine import contrastive, lookahead, lookup, speculative
+from engine.adapt import policy
 from conftest import int4_copy
 from engine.generate import plain
 from engine.sampling import Sampler
@@ -140,7 +141,7 @@ def test_speculative_with_three_drafts_keeps_its_law():
 
 
 def test_every_registered_decoder_has_its_law_enumerated_here():
-    # Why: a decoder added to the registry (README, "Adding a decoder") must have its law proven
+    # Why: a decoder added to the registry (docs/adding-a-decoder.md) must have its law proven
     # by the tests below: one label of ENTRIES at least names it
     assert unnamed_decoders(ENTRIES) == []
 

@@ -8,8 +8,8 @@ import torch
 from tools import quality
 from tools.quality import (Config, distinct_n, evaluate, markdown, ngram_entropy, perplexity,
                             repeat_rate, summarize)
+from engine.load.weights import DEFAULT_CHECKPOINT
 from engine.sampling import Sampler
-from engine.weights import DEFAULT_CHECKPOINT
 from conftest import tiny_llama
 
 ALTERNATING = [1, 2, 1, 2, 1, 2]   # bigrams 12 21 12 21 12; trigrams 121 212 121 212

@@ -13,7 +13,7 @@ def test_scale_refuses_bad_flags_in_one_line(capsys):
 
 def test_the_shapes_are_llama_3_2s():
     # Why: the figures claim Llama 3.2 1B and 3B: their parameter counts must be those models'
-    from engine.weights import parameter_count
+    from engine.load.weights import parameter_count
     assert round(parameter_count(scale.SHAPES["llama-3.2-1b"]) / 1e9, 2) == 1.24
     assert round(parameter_count(scale.SHAPES["llama-3.2-3b"]) / 1e9, 2) == 3.21
 

@@ -10,12 +10,12 @@ from hypothesis import given, strategies as st
 from conftest import DEVICE, tiny_llama
 from engine import speculative
 from conftest import int4_copy
+from engine.adapt.policy import DraftLength
 from engine.draft import Separate
+from engine.draft import SelfDraft
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler
-from engine.draft import SelfDraft
-from engine.policy import DraftLength
 from engine.speculative import decode
 
 GREEDY = Sampler()
@@ -281,3 +281,66 @@ def test_draft_forwards_counts_the_drafts_forwards(K):
     list(generate(decode(target, draft, [1, 2, 3, 1, 2], sampler=Sampler(), rng=Random(0), max_new_tokens=12,
                          num_draft=K), max_new_tokens=12, stats=stats))
     assert stats.draft_forwards == len(calls) == stats.drafted > 0
+
+
+# --------------------------------------------------------------------------- the policy's K is the K drafted
+
+class Planned:
+    """A policy that asks for a planned K on each step after the prompt's, recording each ask."""
+
+    def __init__(self, plan):
+        self.plan, self.asked, self.most = plan, [], max(plan)
+
+    @property
+    def k(self):
+        self.asked.append(self.plan[len(self.asked) % len(self.plan)])
+        return self.asked[-1]
+
+    def update(self, k, accepted):
+        pass
+
+
+def drafted_against_asked(kind, seed, temperature=1.0, budget=24):
+    """[(K drafted, K the policy asked, cut to the tokens left but one)] of each step after the
+    prompt's, sampled: a draft is unsure there, which is where a cut would hide."""
+    target, draft = make_pair(kind, seed)
+    policy = Planned([3, 1, 4, 0, 2])
+    steps = decode(target, draft, [1, 2, 3], sampler=Sampler(temperature), rng=Random(seed),
+                   max_new_tokens=budget, policy=policy, trace=True)
+    pairs, n = [], 0
+    for step in generate_steps(steps, budget):
+        if not step.trace["first"]:
+            left = budget - n
+            pairs.append((step.trace["k"], min(policy.asked[len(pairs)], max(left - 1, 0))))
+        n += len(step.tokens)
+    return pairs
+
+
+def generate_steps(steps, budget):
+    """The steps a run of `budget` tokens takes, each whole (a decoder never drafts past it)."""
+    n = 0
+    for step in steps:
+        yield step
+        n += len(step.tokens)
+        if n >= budget:
+            return
+
+
+@pytest.mark.parametrize("kind", ["other", "near", "self"])
+def test_each_sampled_step_drafts_the_k_its_policy_chose(kind):
+    # Why: K is the policy's speed lever, and any K keeps the law, so neither the law proofs nor
+    # the tokens see a step that drafts fewer than it was told (say, stopping once the draft is
+    # unsure); greedy runs cannot see it either, a greedy draft being sure by construction
+    for seed in range(3):
+        pairs = drafted_against_asked(kind, seed)
+        assert len(pairs) >= 5 and all(drafted == asked for drafted, asked in pairs), pairs
+
+
+def test_the_k_contract_catches_a_step_that_drafts_less_when_sampling(monkeypatch):
+    # the broken variant: one draft fewer whenever the law is not one-hot (sampled, K > 1)
+    real = speculative.draft_then_verify
+    monkeypatch.setattr(speculative, "draft_then_verify", lambda pair, seq, k, sampler, rng, stream:
+                        real(pair, seq, k - 1 if k > 1 and not sampler.greedy else k, sampler, rng, stream))
+    pairs = drafted_against_asked("near", 0)
+    assert any(drafted != asked for drafted, asked in pairs)
+    assert all(d == a for d, a in drafted_against_asked("near", 0, temperature=0.0))   # greedy: unseen

@@ -7,7 +7,7 @@ from conftest import tiny_llama
 def test_the_kinds_add_up_to_the_step_and_each_is_found():
     # why: a kind counted twice (a child op inside its parent) or never (an op name that no
     # longer matches) would move time between columns while the table still looks plausible
-    from engine.packed import prepack
+    from engine.fast.packed import prepack
     from tools.split import COLUMNS, split
     model = prepack(tiny_llama(0, vocab=64).float())
     r = split(model, [1, 2, 3, 4, 5], steps=4, repeats=1)

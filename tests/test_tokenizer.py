@@ -13,8 +13,8 @@ from hypothesis import strategies as st
 from tokenizers import Tokenizer as HFTokenizer
 from tokenizers import decoders, models, pre_tokenizers
 
-from engine.tokenizer import StreamDecoder, Tokenizer
-from engine.weights import DEFAULT_CHECKPOINT
+from engine.load.tokenizer import StreamDecoder, Tokenizer
+from engine.load.weights import DEFAULT_CHECKPOINT
 
 real = pytest.mark.skipif(not DEFAULT_CHECKPOINT.is_dir(), reason="run `make weights` first")
 GOLDEN = json.loads((Path(__file__).parent / "golden.json").read_text())

@@ -7,7 +7,8 @@ import pytest
 import torch
 
 from conftest import tiny_llama, unnamed_decoders
-from engine import contrastive, lookahead, lookup, policy, speculative
+from engine import contrastive, lookahead, lookup, speculative
+from engine.adapt import policy
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import generate, plain
@@ -105,7 +106,7 @@ def test_tracing_changes_no_token_and_untraced_steps_carry_none(name):
 
 
 def test_every_registered_decoder_is_traced_here():
-    # Why: a decoder added to the registry (README, "Adding a decoder") must have its trace held
+    # Why: a decoder added to the registry (docs/adding-a-decoder.md) must have its trace held
     # to the truth by the tests above: one label of TRACED at least names it
     assert unnamed_decoders(TRACED) == []
 
@@ -113,7 +114,7 @@ def test_every_registered_decoder_is_traced_here():
 
 def test_a_trace_claimed_has_no_rule_for_is_one_line_naming_the_keys_it_needs():
     # Why: a new decoder's trace with keys of its own must tell its author what claimed() reads
-    # (README, "Adding a decoder"), not end in a KeyError on 'drafts'
+    # (docs/adding-a-decoder.md), not end in a KeyError on 'drafts'
     with pytest.raises(ValueError, match="no rule for a 'medusa' trace.*'drafts'.*'next'"):
         claimed({"kind": "medusa", "position": 3, "heads": [[1, 2]], "next": 4})
     assert claimed({"kind": "medusa", "drafts": [{"token": 1, "verdict": "accept"}], "next": 2}) == [1, 2]
@@ -222,7 +223,7 @@ CLI_FLAGS = {"contrastive": ["--amateur", "layers:1"], "speculative": ["--draft"
 def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder, capsys):
     # Why: `--trace` is the flag a reader types; on any checkpoint it must print every step
     # (one per target forward) on stderr and leave stdout's answer alone.
-    from engine.run import main
+    from engine.doors.cli import main
     argv = ["--checkpoint", str(tiny_checkpoint), "--prompt", "hi hi hi", "--max-new-tokens", "12",
             "--temperature", "0.8", "--json", "--decoder", *decoder]
     assert main(argv) == 0
@@ -330,7 +331,7 @@ def test_a_traced_answer_never_breaks_a_steps_lines(tiny_checkpoint, monkeypatch
     # steps ran into the next block's head ("1#1 @40 lookahead"); traced, it comes at the end
     import io
     import re
-    from engine.run import main
+    from engine.doors.cli import main
     both = io.StringIO()
     monkeypatch.setattr("sys.stdout", both)
     monkeypatch.setattr("sys.stderr", both)

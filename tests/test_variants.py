@@ -16,17 +16,18 @@ import torch
 from tokenizers import Tokenizer as HFTokenizer, decoders, models, pre_tokenizers
 
 from conftest import run
-from engine import config, llama, weights
+from engine import llama
 from engine.decoders import DECODERS
+from engine.doors.cli import main
+from engine.fast.packed import prepack, quantize_int4
 from engine.generate import generate, plain
 from engine.kvcache import KVCache
 from engine.llama import frequencies, rope
-from engine.packed import prepack, quantize_int4
-from engine.run import main
+from engine.load import config, weights
+from engine.load.config import load_config
+from engine.load.tokenizer import Tokenizer
+from engine.load.weights import load_model
 from engine.sampling import Random, Sampler
-from engine.tokenizer import Tokenizer
-from engine.config import load_config
-from engine.weights import load_model
 
 transformers = pytest.importorskip("transformers")
 
@@ -260,7 +261,7 @@ def decoded(name, model, prompt, n):
     """Greedy tokens of decoder `name` with its default knobs; a second model is the target's
     first layer (speculative's self-draft, contrastive's amateur at beta 0, where it is plain)."""
     d = DECODERS[name]
-    second = () if d.second is None else (d.early_exit(1),)
+    second = () if d.second is None else (d.second.early_exit(1),)
     steps = d.decode(model, *second, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=n,
                      **({"beta": 0.0} if name == "contrastive" else {}))
     return list(generate(steps, max_new_tokens=n))

@@ -18,7 +18,7 @@ from safetensors.torch import load_file, save_file
 from tokenizers import Tokenizer, pre_tokenizers
 
 from engine.llama import RopeScaling, apply_rope, frequencies, rope
-from engine.weights import DEFAULT_CHECKPOINT, load_model, rename
+from engine.load.weights import DEFAULT_CHECKPOINT, load_model, rename
 from tools.convert import GGUF_MAP, convert, main, unpermute_qk
 
 C, L, H, HKV, F = 32, 2, 4, 2, 64  # D = 8; C and F are multiples of 32 so Q8_0 / Q4_1 fit

@@ -27,16 +27,17 @@ from pathlib import Path
 
 import torch
 
-from engine.aot import compile_step
-from engine.api import build, prices as api_prices
+from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
+from engine.doors.session import build, prices as api_prices
 from engine.draft import SelfDraft, resident_bytes
+from engine.fast.aot import compile_step
+from engine.fast.packed import exact_by_default, prepack, quantize_int4
 from engine.generate import Stats, Step, generate
 from engine.kvcache import KVCache
 from engine.llama import Llama, LlamaConfig
-from engine.packed import exact_by_default, prepack, quantize_int4
+from engine.load.weights import DTYPES
 from engine.sampling import Random, Sampler
-from engine.weights import DTYPES
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
 
@@ -195,7 +196,7 @@ def plain_decode(model: Llama, prompt: list[int], max_new_tokens: int = 64,
 
 
 def chat_prompt(checkpoint: Path) -> tuple[list[int], set[int]]:
-    from engine.tokenizer import Tokenizer  # only --roof needs a tokenizer
+    from engine.load.tokenizer import Tokenizer  # only --roof needs a tokenizer
     tok = Tokenizer.load(checkpoint)
     text = tok.render_chat([{"role": "user", "content": CHAT_PROMPT}])
     return tok.encode(text), tok.eos_ids
@@ -243,7 +244,7 @@ def baseline(name: str, configs) -> str:
 def compiled_configs(checkpoint: Path, suffix: str, eos_ids, max_new_tokens: int) -> dict:
     """`--compile`: plain, lookahead auto, lookup, speculative with a 20-layer self-draft (its
     halves on graphs of their own) and plain again (the noise) on the exact 4-bit path compiled
-    ahead of time (engine/aot.py, the CLI's --compile), each held to the compiled plain's tokens
+    ahead of time (engine/fast/aot.py, the CLI's --compile), each held to the compiled plain's tokens
     (`baseline`)."""
     draft = CONFIGS["speculative L=20 adaptive"][1].layers
     model = compile_step(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress, splits=[draft])
@@ -258,10 +259,10 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     price their choices with this machine's measured costs, as the CLI's do."""
     name, second, knobs = config
     models = (model,) if second is None else (model, second)
-    if knobs.get("adaptive"):   # a policy, priced as the CLI prices it (engine.api.prices)
+    if knobs.get("adaptive"):   # a policy, priced as the CLI prices it (engine.doors.session.prices)
         prices = api_prices(model, second, notify=progress)
         knobs = {k: v for k, v in knobs.items() if k != "adaptive"}
-        knobs["policy"] = DECODERS[name].policy(*models, prices, knobs)
+        knobs["policy"] = POLICIES[name].build(*models, prices, knobs)
     steps, stats = [], Stats()
     run = DECODERS[name].decode(*models, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=max_new_tokens, **knobs)
     t0 = time.perf_counter()
@@ -341,7 +342,7 @@ def by_position(runs: list[dict], upto: int = 8) -> list[float]:
 
 
 def bench_prompts(checkpoint: Path, quick: bool) -> tuple[dict[str, list[list[int]]], set[int]]:
-    from engine.tokenizer import Tokenizer
+    from engine.load.tokenizer import Tokenizer
     tok = Tokenizer.load(checkpoint)
     texts = json.loads(PROMPTS.read_text())
     enc = lambda t: tok.encode(tok.render_chat([{"role": "user", "content": t}]))
@@ -532,7 +533,7 @@ def save(fig, path: Path) -> None:
 # --------------------------------------------------------------------------- CLI
 
 def parse_args(argv: list[str] | None) -> argparse.Namespace:
-    from engine.weights import DEFAULT_CHECKPOINT
+    from engine.load.weights import DEFAULT_CHECKPOINT
     p = Parser(prog="python -m tools.bench", description=first(__doc__))
     p.add_argument("--forward-cost", action="store_true",
                    help="ms of a k-token forward after a 100-token cache, k in 1..64")
@@ -552,7 +553,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--compile", action="store_true",
                    help="add plain, lookahead auto, lookup, speculative L=20 adaptive and plain again on the exact "
                         "4-bit path compiled ahead of time "
-                        "(engine/aot.py, the CLI's --compile; built once), held to the compiled plain's tokens")
+                        "(engine/fast/aot.py, the CLI's --compile; built once), held to the compiled plain's tokens")
     p.add_argument("--int4", action="store_true",
                    help="layer weights in 4 bits (and the head in 8 under an AVX-512 dispatch), bf16 activations "
                         "(packed.quantize_int4); needs --dtype bfloat16")
@@ -614,7 +615,7 @@ def check_model(args: argparse.Namespace) -> None:
     long run, and --out last, so a missing or malformed checkpoint leaves nothing behind."""
     context = 8192                         # the random model's (SmolLM2-135M's) context
     if not args.random_weights:
-        from engine.config import load_config
+        from engine.load.config import load_config
         context = load_config(args.checkpoint).max_seq_len
     # a k-row forward or a budget past the context is not a figure of this model
     if max(args.ks) > context or args.max_new_tokens > context:
@@ -633,7 +634,7 @@ def run(args: argparse.Namespace) -> dict:
         progress("building a random SmolLM2-135M-shaped model")
         model = random_model(device=args.device, dtype=torch.float32 if args.int4 else dtype)
     else:
-        from engine.weights import load_model
+        from engine.load.weights import load_model
         progress(f"loading {args.checkpoint}")
         model = load_model(args.checkpoint, args.device, torch.float32 if args.int4 else dtype)
         result["checkpoint"] = str(args.checkpoint)
@@ -659,7 +660,7 @@ def run(args: argparse.Namespace) -> dict:
         wanted = DEFAULT_CONFIGS if args.configs is None else CONFIGS if args.configs == ["all"] else args.configs
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or n in wanted}
         if args.llama_cpp:                           # checked here, before the long run
-            from engine.tokenizer import Tokenizer
+            from engine.load.tokenizer import Tokenizer
             from tools.convert import default_gguf
             from tools.llama_cpp import reference
             llama_cpp = reference(args.llama_cpp, args.gguf or default_gguf(), args.max_new_tokens,

@@ -1,5 +1,5 @@
 """What the tools' command lines share: one-line errors, output places checked first, files
-written aside and renamed. (The engine's own CLI, engine/run.py, is never imported here.)"""
+written aside and renamed. (The engine's own CLI, engine/doors/cli.py, is never imported here.)"""
 from __future__ import annotations
 
 import argparse
@@ -9,7 +9,7 @@ from pathlib import Path
 
 
 class Parser(argparse.ArgumentParser):
-    """Bad flags are one `error:` line and exit code 2, as in engine/run.py."""
+    """Bad flags are one `error:` line and exit code 2, as in engine/doors/cli.py."""
 
     def error(self, message):
         self.exit(2, f"error: {message}\n")

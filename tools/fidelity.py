@@ -24,9 +24,9 @@ from pathlib import Path
 import torch
 
 from engine.decoders import DECODERS
+from engine.fast.packed import prepack, quantize_int4
 from engine.generate import generate
 from engine.llama import Llama
-from engine.packed import prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, first, out_dir, write_atomic
 from tools.machine import describe, machine
@@ -68,14 +68,14 @@ def fidelity(reference: Llama, mode: Llama, pairs: list[tuple[list[int], list[in
 def modes(checkpoint: Path) -> dict[str, Llama]:
     """The inexact modes the CLI offers, as it builds them: --int4 (4-bit layers, bf16) and bf16,
     each with its default exact kernels, and --int4 without them (--no-batch-invariant)."""
-    from engine.weights import load_model
+    from engine.load.weights import load_model
     return {"int4 (4-bit layers, bf16)": prepack(quantize_int4(load_model(checkpoint)), batch_invariant=True),
             "int4 --no-batch-invariant": prepack(quantize_int4(load_model(checkpoint))),
             "bf16": prepack(load_model(checkpoint, dtype=torch.bfloat16), batch_invariant=True)}
 
 
 def prompts(checkpoint: Path) -> list[list[int]]:
-    from engine.tokenizer import Tokenizer
+    from engine.load.tokenizer import Tokenizer
     tok = Tokenizer.load(checkpoint)
     texts = [t for ts in json.loads(PROMPTS.read_text()).values() for t in ts]
     return [tok.encode(tok.render_chat([{"role": "user", "content": t}])) for t in texts]
@@ -92,7 +92,7 @@ def markdown(result: dict) -> str:
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.weights import DEFAULT_CHECKPOINT, load_model
+    from engine.load.weights import DEFAULT_CHECKPOINT, load_model
     p = Parser(prog="python -m tools.fidelity", description=first(__doc__))
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--tokens", type=int, default=64, help="fp32 continuation per prompt")

@@ -7,7 +7,7 @@ import os
 
 import torch
 
-from engine.cost import cpu_name, cpuinfo, kernel_env
+from engine.fast.artifacts import cpu_name, cpuinfo, kernel_env
 
 FLAGS = ("avx2", "avx512f", "avx512_bf16", "avx512_fp16", "avx512_vnni", "amx_tile", "amx_bf16")
 # kernel_env(): a figure taken under `make test`'s second dispatch (or OMP_NUM_THREADS) must say

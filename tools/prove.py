@@ -49,8 +49,8 @@ import torch
 
 from engine.generate import Step
 from engine.kvcache import available_bytes
+from engine.load.template import cap_memory
 from engine.sampling import Random, Sampler, verify_rejection
-from engine.template import cap_memory
 from tools.cli import Parser, first
 from tools.exact_law import decoder_law, max_gap, reference_law
 

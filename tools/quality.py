@@ -220,9 +220,9 @@ def main(argv: list[str] | None = None) -> int:
     args = p.parse_args(argv)
     at_most(p, args, {"seeds": 1000})   # each seed is a full pass over the sampled configs
     from tqdm import tqdm
-    from engine.tokenizer import Tokenizer
-    from engine.config import load_config
-    from engine.weights import default_checkpoint, load_model
+    from engine.load.tokenizer import Tokenizer
+    from engine.load.config import load_config
+    from engine.load.weights import default_checkpoint, load_model
     try:
         if args.checkpoint == "":
             raise ValueError("--checkpoint '' names no checkpoint")

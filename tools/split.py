@@ -24,7 +24,7 @@ from pathlib import Path
 import torch
 
 from engine.decoders import DECODERS
-from engine.packed import exact_by_default, prepack, quantize_int4
+from engine.fast.packed import exact_by_default, prepack, quantize_int4
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, first, out_dir, write_atomic
 from tools.machine import describe, machine
@@ -81,14 +81,14 @@ def split(model, prompt: list[int], steps: int = 32, repeats: int = 3) -> dict:
 def models(checkpoint: Path):
     """The engine's two CPU paths as the CLI runs them: fp32 prepacked and --int4 (4-bit layers,
     bf16, exact kernels by default: packed.exact_by_default)."""
-    from engine.weights import load_model
+    from engine.load.weights import load_model
     yield "fp32", prepack(load_model(checkpoint))
     q = quantize_int4(load_model(checkpoint))
     yield "int4", prepack(q, exact_by_default(q))
 
 
 def main(argv: list[str] | None = None) -> int:
-    from engine.weights import DEFAULT_CHECKPOINT
+    from engine.load.weights import DEFAULT_CHECKPOINT
     p = Parser(prog="python -m tools.split", description=first(__doc__))
     p.add_argument("--checkpoint", type=Path, default=DEFAULT_CHECKPOINT)
     p.add_argument("--steps", type=int, default=32, help="decode steps per timed run")

@@ -1,7 +1,7 @@
 """Does --batch-invariant make CUDA an exact path, and what does it cost? (a probe, run on the GPU)
 
 A random SmolLM2-135M-shaped model (tools.bench.random_model), fp32 and bf16, with and without
-batch_invariant (every matmul padded to 32 rows, attention row by row: engine/packed.py):
+batch_invariant (every matmul padded to 32 rows, attention row by row: engine/fast/packed.py):
 - rows_round_alike: the CLI's probe of a machine's kernels;
 - margin: plain's one-row logits against the same tokens' logits from 8-row forwards (0 = exact);
 - every decoder's tokens against plain's, greedy and seeded at T=0.8 (contrastive greedy only:
@@ -17,8 +17,8 @@ from tools.exact import margin
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.generate import Stats, generate
-from engine.invariant import rows_round_alike
-from engine.packed import prepack
+from engine.fast.invariant import rows_round_alike
+from engine.fast.packed import prepack
 from engine.sampling import Random, Sampler
 
 RUNS = {"plain": ("plain", (), {}), "lookahead W5 N4 G5": ("lookahead", (), dict(window=5, ngram=4, guesses=5)),

@@ -10,7 +10,7 @@ raw mode: special-token strings in `text` are parsed as the tokens (special=Fals
 parse them); the CLI's --raw uses it on purpose. Added tokens not marked special are ordinary
 vocabulary and match anywhere.
 
-Templates ship with downloaded weights, so they are untrusted code: engine/template.py renders
+Templates ship with downloaded weights, so they are untrusted code: engine/load/template.py renders
 them sandboxed, in a child process bounded in time and memory. No batching, no offsets, no tool-calling helpers.
 """
 from __future__ import annotations
@@ -22,8 +22,8 @@ from pathlib import Path
 import sentencepiece
 from tokenizers import Tokenizer as HFTokenizer
 
-from engine.config import read_json
-from engine.template import render
+from engine.load.config import read_json
+from engine.load.template import render
 
 
 def token_ids(path: Path, d: dict, key: str, vocab_size: int) -> list[int]:
@@ -147,7 +147,7 @@ class Tokenizer:
         return [i for k, p in enumerate(parts) for i in self.encode(p, special=k % 2 == 0)]
 
     def render_chat(self, messages: list[dict], add_generation_prompt: bool = True) -> str:
-        """The chat as text, rendered by the checkpoint's template under bounds (engine/template.py)."""
+        """The chat as text, rendered by the checkpoint's template under bounds (engine/load/template.py)."""
         if self.chat_template is None:
             raise ValueError("this checkpoint has no chat template")
         return render(self.chat_template, self.max_text_chars, messages=messages,

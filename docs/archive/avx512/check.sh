@@ -5,8 +5,8 @@
 # first call with a trimmed copy of `make llama-cpp`'s source tree (.dev1/llsrc.tar.xz: the
 # sdist's vendor/llama.cpp less docs, models, tests and the GPU backends) and the gguf wheel:
 #
-#   bash docs/avx512/check.sh setup OUT    # machine facts; llama.cpp builds in the background
-#   bash docs/avx512/check.sh bench OUT    # join, check, convert; make bench's 4-bit rows with
+#   bash docs/archive/avx512/check.sh setup OUT    # machine facts; llama.cpp builds in the background
+#   bash docs/archive/avx512/check.sh bench OUT    # join, check, convert; make bench's 4-bit rows with
 #                                          # --compile and llama.cpp, 2 threads; then tools.exact
 #
 # Results: OUT/host.txt (setup), OUT/log.txt, OUT/bench/, OUT/exact/ (bench).

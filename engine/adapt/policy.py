@@ -14,7 +14,7 @@ machine print the same tokens. A policy moves the speed, never greedy tokens, ne
 and never coupled verification's seeded tokens (rejection's follow K; its law does not).
 
     cost(k rows) = 1 + slope (k - 1)      a k-row forward in one-row forwards, or a table
-                                          measured once on this machine (engine/cost.py);
+                                          measured once on this machine (engine/adapt/cost.py);
                                           lookahead and lookup pay DOUBT x each row past the first
 """
 from __future__ import annotations
@@ -52,7 +52,7 @@ DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward 
 
 @dataclass(frozen=True)
 class Prices:
-    table: dict[int, float] | None = None   # k -> cost(k rows)/cost(1 row), measured (engine/cost.py)
+    table: dict[int, float] | None = None   # k -> cost(k rows)/cost(1 row), measured (engine/adapt/cost.py)
     draft: float | None = None              # one draft token / one-row target forward, measured
 
 
@@ -299,7 +299,7 @@ def costs(target: Llama, draft: Llama | SelfDraft,
 
 def four_bit_copy(target: Llama, draft: Llama | SelfDraft) -> bool:
     """Whether `draft` has the target's config in 4-bit layers (--draft int4, or a 4-bit target's
-    own checkpoint as its draft): its price is measured (engine/cost.py, draft_price)."""
+    own checkpoint as its draft): its price is measured (engine/adapt/cost.py, draft_price)."""
     return isinstance(draft, Llama) and draft.config == target.config \
         and type(draft.layers[0].feed_forward.w13).__name__ == "Int4Linear"
 
@@ -331,7 +331,7 @@ def pick_draft(target: Llama, drafts: list[tuple[Llama | SelfDraft, Prices]]) ->
 # two-row forward measured 1.15-1.30x a one-row one within an hour on one VM). So lookahead's and
 # lookup's policies pay each row past the first DOUBT times its price. Scored without a clock
 # on 14 bench and 15 held-out prompts, under the kept prices and two others: tokens per unit of
-# cost up 0.3-1.7% in every case, the worst prompt no worse (docs/speed.md, run 37)
+# cost up 0.3-1.7% in every case, the worst prompt no worse (docs/archive/speed-log.md, run 37)
 DOUBT = 1.25
 
 
@@ -349,3 +349,26 @@ def for_lookup(model: Llama, prices: Prices, knobs: dict) -> CopyLength:
 
 def for_speculative(target: Llama, draft: Llama | SelfDraft, prices: Prices, knobs: dict) -> DraftLength:
     return draft_length(target, draft, prices, start=knobs.get("num_draft"))
+
+
+@dataclass(frozen=True)
+class Adaptive:
+    """How a registry decoder adapts: `build(model, [second,] prices, knobs)` makes what its
+    decode(policy=) takes, unless a knob of `fixed_by` was given (then the textbook loop)."""
+    build: Callable
+    fixed_by: tuple[str, ...] = ()
+
+    def adapts(self, knobs: dict, adaptive: bool = True) -> bool:
+        return adaptive and not set(self.fixed_by) & set(knobs)
+
+
+# the registry's decoders that take a policy (engine/decoders.py names them all)
+POLICIES = {"lookahead": Adaptive(for_lookahead, fixed_by=("window", "guesses")),
+            "speculative": Adaptive(for_speculative),
+            "lookup": Adaptive(for_lookup)}
+
+
+def adaptive(decoder: str, knobs: dict, adapt: bool = True) -> Adaptive | None:
+    """The policy `decoder` runs under with these knobs and --adaptive, or None: its textbook loop."""
+    a = POLICIES.get(decoder)
+    return a if a is not None and a.adapts(knobs, adapt) else None

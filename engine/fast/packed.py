@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
 
-from engine.invariant import MOST_ROWS, row_attention
+from engine.fast.invariant import MOST_ROWS, row_attention
 from engine.kvcache import ATEN_CAPABILITY
 from engine.llama import Llama
 
@@ -29,7 +29,7 @@ from engine.llama import Llama
 LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 # the 4-bit kernel's AVX-512 path reads an 8-bit head for one row faster than oneDNN reads a bf16
-# one; its AVX2 path does not (3.0 ms against bf16's 1.4 under that dispatch; docs/speed.md, run 27)
+# one; its AVX2 path does not (3.0 ms against bf16's 1.4 under that dispatch; docs/archive/speed-log.md, run 27)
 Q8_HEAD = ATEN_CAPABILITY == "AVX512"
 
 
@@ -111,7 +111,7 @@ class Q8Linear(Int4Linear):
     one call over twice the columns. A group already on a Q8_0 grid (the shipped head,
     dequantized) gets its codes back exactly; d is kept in bf16, as Int4Linear keeps its scales.
     The trade: a one-row step 0.92x as long, but the kernel pays per row where oneDNN's bf16
-    head is flat to 16 rows, so an 8-row verify costs 1.08x (docs/speed.md, run 27).
+    head is flat to 16 rows, so an 8-row verify costs 1.08x (docs/archive/speed-log.md, run 27).
     """
 
     def __init__(self, weight: Tensor, group: int = 32):
@@ -197,11 +197,11 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     fp32 or bf16 on a CPU with oneDNN (other dtypes keep nn.Linear, and CUDA unless below).
 
     batch_invariant: a row's outputs never depend on how many rows shared its forward, and
-    attention is engine/invariant.py's `row_attention`. On a CPU every matmul call takes
+    attention is engine/fast/invariant.py's `row_attention`. On a CPU every matmul call takes
     2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), for fp32 and bf16; with
     torch's int4 kernel (row-invariant as measured here) every decoder prints that path's plain
     tokens. On CUDA, every dtype: each matmul a PaddedLinear of exactly MOST_ROWS rows.
-    Off unless asked; engine.api.build (the CLI's loader) asks for it on bf16 and 4-bit CPU
+    Off unless asked; engine.doors.session.build (the CLI's loader) asks for it on bf16 and 4-bit CPU
     models (`exact_by_default`), and elsewhere only with --batch-invariant.
     """
     w = model.tok_embeddings.weight
@@ -229,7 +229,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
 def exact_by_default(model: Llama) -> bool:
     """Whether prepack's batch_invariant is on by default: for bf16 and 4-bit models on a CPU,
-    whose one-row step it costs about nothing (docs/speed.md, run 13; whether rows then round
+    whose one-row step it costs about nothing (docs/archive/speed-log.md, run 13; whether rows then round
     alike is this CPU's probe to say: invariant.rows_round_alike). fp32 pays ~9%: a flag."""
     w = model.tok_embeddings.weight
     return w.dtype == torch.bfloat16 and w.device.type == "cpu"

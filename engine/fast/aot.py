@@ -44,11 +44,11 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from engine.cost import cache_home, model_key
-from engine.invariant import row_attention
+from engine.fast.artifacts import cache_home, model_key
+from engine.fast.invariant import row_attention
+from engine.fast.packed import Int4Linear
 from engine.kvcache import KVCache
 from engine.llama import Llama, causal_mask, rope
-from engine.packed import Int4Linear
 
 MOST_ROWS, MOST_SLOTS = 1024, 1 << 20   # the graph's bounds: rows a forward, cache slots
 OPTIONS = {"emulate_precision_casts": True,   # bf16 rounded after every op, as eager does
@@ -281,7 +281,7 @@ def trial(path: Path, args: tuple) -> None:
     so a step that crashes (a signal, not an exception) is never kept, nor loaded here."""
     sample = path.with_suffix(".args")
     torch.save(args, sample)
-    root = str(Path(__file__).resolve().parents[1])              # where `engine` imports from
+    root = str(Path(__file__).resolve().parents[2])              # where `engine` imports from
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     try:
         r = subprocess.run([sys.executable, "-c", TRIAL, str(path), str(sample)], env=env,
@@ -296,7 +296,7 @@ def trial(path: Path, args: tuple) -> None:
 
 
 def key(model: Llama) -> str:
-    """What the compiled code depends on (engine.cost.model_key: machine, torch, dtype, kernels,
+    """What the compiled code depends on (engine.fast.artifacts.model_key: machine, torch, dtype, kernels,
     shapes) and the weights it holds (a hash of the layers' tensors)."""
     h = hashlib.sha256()
     for name, t in model.layers.state_dict().items():

@@ -13,11 +13,11 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.config import load_config, read_json
 from engine.kvcache import check_fits
 from engine.llama import Llama, LlamaConfig
+from engine.load.config import load_config, read_json
 
-DEFAULT_CHECKPOINT = Path(__file__).resolve().parent.parent / "weights" / "smollm2-135m-instruct"
+DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "weights" / "smollm2-135m-instruct"   # the clone's
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
 
 # HF checkpoint name -> our parameter name; {i} is the layer index. Names that share a

@@ -1,4 +1,4 @@
-"""This machine's prices for the adaptive choices (engine/policy.py), measured once and kept.
+"""This machine's prices for the adaptive choices (engine/adapt/policy.py), measured once and kept.
 
     cost(k rows) / cost(1 row)       a k-row forward of this model: `calibrated(model)`
     t(draft row) / t(target row)     a draft token: `draft_price(target, draft)`
@@ -15,12 +15,10 @@ by matmul kind and CPU dispatch (policy.SLOPE, policy.DRAFT_COST), alike on ever
 from __future__ import annotations
 
 import contextlib
-import functools
 import hashlib
 import json
 import math
 import os
-import platform
 import stat
 import time
 from pathlib import Path
@@ -28,15 +26,13 @@ from typing import Callable
 
 import torch
 
-from engine import invariant, llama, packed
+from engine import llama
+from engine.fast import artifacts, invariant, packed
+from engine.fast.artifacts import cache_home, kernel_env, model_key
 from engine.kvcache import KVCache, attention_dtype
 from engine.llama import Llama
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
-# variables that choose kernels or threads: torch's dispatch, OpenMP's threads, and oneDNN's
-# (under either of its prefixes) and MKL's (tools/machine.py reports them with every figure)
-KERNEL_ENV = ("ATEN_CPU_CAPABILITY", "OMP_NUM_THREADS")
-KERNEL_ENV_PREFIXES = ("ONEDNN_", "DNNL_", "MKL_", "TORCH_MKLDNN")
 
 
 def load_table(path: str | Path) -> dict[int, float]:
@@ -81,7 +77,7 @@ def table_from(d, path: str | Path) -> dict[int, float]:
 # --------------------------------------------------------------------------- this machine's table
 
 # row counts measured, interpolated between: torch's int4 kernel costs steps of four rows (5
-# rows as much as 8: docs/speed.md, run 11), so both ends of each step are measured up to 16
+# rows as much as 8: docs/archive/speed-log.md, run 11), so both ends of each step are measured up to 16
 ROW_COUNTS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 24, 32)
 HOW = "paired medians, with the step after"   # in the kept table's key: a new way measures anew
 
@@ -155,7 +151,7 @@ def probed(model: Llama, folder: Path | None = None) -> bool:
     hide AMX or AVX-512 under one model name), the variables that choose kernels, and the code
     of the probe and of the kernels it probes (an older engine's answer is not this one's)."""
     code = hashlib.sha256(b"".join(Path(m.__file__).read_bytes() for m in (invariant, packed, llama)))
-    flags = cpuinfo("flags") or cpuinfo("Features")                   # x86 | ARM
+    flags = artifacts.cpuinfo("flags") or artifacts.cpuinfo("Features")                   # x86 | ARM
     key = f"rows_round_alike|{model_key(model)}|{flags}|{kernel_env()}|{code.hexdigest()[:16]}"
     try:
         found = kept(key, lambda: {"rows_round_alike": invariant.rows_round_alike(model)}, folder, None)
@@ -164,11 +160,6 @@ def probed(model: Llama, folder: Path | None = None) -> bool:
     if found is None:
         return invariant.rows_round_alike(model)
     return isinstance(found[0], dict) and found[0].get("rows_round_alike") is True
-
-
-def kernel_env() -> dict[str, str]:
-    """The variables set here that choose kernels or threads (KERNEL_ENV and its prefixes)."""
-    return {k: v for k, v in sorted(os.environ.items()) if k in KERNEL_ENV or k.startswith(KERNEL_ENV_PREFIXES)}
 
 
 def measure_draft(target: Llama, draft: Llama, context: int = 100, repeats: int = 5) -> float:
@@ -184,24 +175,6 @@ def one_row_seconds(model: Llama, context: int) -> float:
     cache = KVCache.for_model(model, context + 1)
     forward_seconds(model, cache, 0, context)
     return forward_seconds(model, cache, context, 1)
-
-
-def model_key(model: Llama) -> str:
-    """What a measured price depends on: the machine, torch, dtype, kernels, K/V dtype and model
-    shape (and a compiled stack, engine/aot.py, where there is one)."""
-    w, layer = model.tok_embeddings.weight, model.layers[0]
-    compiled = f"|compiled {model.blocks.version}" if "blocks" in model.__dict__ else ""
-    return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
-                              torch.__version__, device_name(w.device), w.dtype, attention_dtype(w.dtype, w.device),
-                              type(layer.feed_forward.w13).__name__, type(model.packed_head).__name__,
-                              layer.attention.attend.__name__,
-                              model.config))) + compiled
-
-
-def device_name(device: torch.device) -> str:
-    """The device as a price depends on it: a GPU by its name too, so one host's tables for two
-    GPUs are kept apart (a CPU's name and ISA are in the key already)."""
-    return f"{device} {torch.cuda.get_device_name(device)}" if device.type == "cuda" else str(device)
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,
@@ -244,24 +217,3 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
         with contextlib.suppress(OSError):
             tmp.unlink()
     return read_json(path), path
-
-
-def cache_home() -> Path:
-    """$XDG_CACHE_HOME if it is an absolute path, else ~/.cache. The XDG spec says to ignore a
-    relative one: it would leave a cache in whatever directory the command ran from."""
-    xdg = os.environ.get("XDG_CACHE_HOME", "")
-    return Path(xdg) if os.path.isabs(xdg) else Path.home() / ".cache"
-
-
-def cpu_name() -> str:
-    return cpuinfo("model name") or platform.processor() or platform.machine()
-
-
-@functools.lru_cache(maxsize=None)   # fixed for the process; model_key asks on every price and probe
-def cpuinfo(field: str) -> str:
-    """A field of /proc/cpuinfo's first CPU ("model name", "flags"); '' where there is none."""
-    with contextlib.suppress(OSError):
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.partition(":")[0].strip() == field:
-                return line.partition(":")[2].strip()
-    return ""

@@ -1,0 +1,105 @@
+"""The engine from Python: what `python -m engine.run` does, without its flags (README, "Python API").
+
+    from engine.api import Engine
+    llm = Engine.load()                              # the default model; or Engine.load(path)
+    print(llm.generate("What is the capital of France?", max_new_tokens=20))
+    for text in llm.stream("Name three colours.", decoder="lookahead", window=4):
+        print(text, end="", flush=True)
+    print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
+
+`Engine.load`'s keywords are the CLI's loading flags, `tokens`' its decoding ones: a decoder by
+name, its knobs as keywords, `second=` a layer count or a Llama, `adaptive` as --adaptive,
+priced as the CLI prices. A str prompt is chat-templated as there; a list of ids is sent as it
+is. A bad argument is a ValueError before any token (a decoder's knob: at its first token's
+read), as the CLI's `error:` lines are.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Iterator
+
+import torch
+
+from engine.decoders import DECODERS
+from engine.doors.session import build, check_compile, check_fits, compile_early_exit, encode, prices, say, wire
+from engine.fast.aot import compile_step
+from engine.generate import Stats, generate
+from engine.llama import Llama
+from engine.load.tokenizer import StreamDecoder, Tokenizer
+from engine.load.weights import default_checkpoint
+from engine.sampling import Random, Sampler, check_ids
+
+
+@dataclass
+class Engine:
+    model: Llama
+    tokenizer: Tokenizer
+    stats: Stats | None = None     # of the last call, filled as its tokens stream
+
+    @classmethod
+    def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
+             int4: bool = False, packed: bool = True, batch_invariant: bool | None = None,
+             compile: bool = False) -> Engine:
+        """A checkpoint directory (default: `make weights`' model) loaded as `build` does;
+        compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them."""
+        ckpt = default_checkpoint() if checkpoint is None else checkpoint
+        if not Path(ckpt).is_dir():
+            raise ValueError(f"checkpoint {ckpt} is not a directory")
+        if compile:
+            check_compile(int4, batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
+        model = build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed, batch_invariant=batch_invariant)
+        return cls(compile_step(model, say) if compile else model, Tokenizer.load(ckpt))
+
+    def ids(self, prompt: str | list[int]) -> list[int]:
+        return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
+
+    def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
+               temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
+               second: int | Llama | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
+        """New token ids as they are accepted, EOS included when it comes. Not a generator
+        itself: its arguments are checked when it is called, its tokens drawn as they are read."""
+        ids = self.ids(prompt)
+        if not ids:
+            raise ValueError("the prompt is empty")
+        check_ids(ids, self.model.config.vocab_size, "a prompt of ids")
+        if type(max_new_tokens) is not int or max_new_tokens < 1:
+            raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
+        check_fits(len(ids), max_new_tokens, self.model.config)
+        if decoder not in DECODERS:
+            raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
+        if type(adaptive) is not bool:   # "false" would be truthy; checked for every decoder, read by a policy
+            raise ValueError(f"adaptive must be True or False, got {adaptive!r}")
+        d = DECODERS[decoder]
+        if set(knobs) - set(d.names):
+            raise ValueError(f"{decoder} has no knob {sorted(set(knobs) - set(d.names))[0]!r} "
+                             f"(it takes {', '.join(d.names) or 'none'})")
+        if (second is None) != (d.second is None):
+            raise ValueError(f"{decoder} takes second= (a layer count or a Llama)" if second is None
+                             else f"{decoder} takes no second model")
+        if second is not None and (isinstance(second, bool) or not isinstance(second, (int, Llama))):
+            raise ValueError(f"second= is a layer count or a Llama, got {second!r}")
+        extra = () if second is None else (d.second.early_exit(second) if isinstance(second, int) else second,)
+        if extra:
+            compile_early_exit(self.model, extra[0], say)   # its halves compiled too, where the step is
+        steps, _, _ = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
+                        rng=Random(seed), max_new_tokens=max_new_tokens,
+                        price=lambda second: (second, prices(self.model, *second)))
+        self.stats = Stats()
+        return generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
+
+    def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
+        """The answer's text in pieces, each as soon as its bytes are whole UTF-8 (no EOS text);
+        checked when called, as tokens() is."""
+        return text_pieces(self.tokens(prompt, **kw), self.tokenizer)
+
+    def generate(self, prompt: str | list[int], **kw) -> str:
+        return "".join(self.stream(prompt, **kw))
+
+
+def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:
+    pieces = StreamDecoder(tokenizer)
+    for x in tokens:
+        if x not in tokenizer.eos_ids:
+            yield pieces.push(x)
+    yield pieces.flush()

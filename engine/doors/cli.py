@@ -1,0 +1,467 @@
+"""The command line: python -m engine.run --decoder lookahead --prompt "..."
+
+Text streams to stdout as it is accepted (--trace: at the end); one stats line goes to stderr
+(or, with --json, one JSON object goes to stdout instead). Bad input is one `error:` line on
+stderr and exit code 2, before any text is printed; so is an answer that cannot be written
+(stdout closed or full). Ctrl-C exits 130 and keeps what was streamed; a reader that closes
+the pipe early (`| head`) ends it quietly with 141, as SIGPIPE would. A closed stderr (`2>&-`)
+is taken as /dev/null, and one that fails drops the stats line and the trace, never the
+answer: it still exits 0.
+"""
+from __future__ import annotations
+
+import argparse
+import contextlib
+import json
+import math
+import os
+import resource
+import sys
+import textwrap
+import time
+from pathlib import Path
+
+import torch
+
+from engine.adapt.cost import load_table, probed
+from engine.adapt.policy import Prices, pick_draft
+from engine.decoders import AMATEUR_LAYERS, DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
+from engine.doors.session import build, check_compile, check_device, check_fits, encode, prices as api_prices, wire
+from engine.draft import SelfDraft, resident_bytes
+from engine.fast.aot import compile_step
+from engine.fast.invariant import row_attention
+from engine.generate import Stats, cut, generate
+from engine.kvcache import ATEN_CAPABILITY
+from engine.load.config import load_config
+from engine.load.tokenizer import StreamDecoder, Tokenizer
+from engine.load.weights import DTYPES, default_checkpoint
+from engine.sampling import Random, Sampler
+from engine.trace import Tracer, traced
+
+
+
+class Parser(argparse.ArgumentParser):
+    """Bad flags in one line, with exit code 2 (tools/cli.py does the same for the tools)."""
+    def error(self, message):
+        self.exit(2, f"error: {message}\n")
+
+
+# the fields as engine.generate.Stats defines them (one definition; none under python -OO)
+STATS_HELP = "the stats line (stderr; the same fields in --json):\n" + textwrap.indent(
+    textwrap.dedent((Stats.__doc__ or "").partition("\n\n")[2]).strip("\n"), "  ") + """
+then whose tokens the run may leave: "near-exact path" (fp32: at a near-tie), "inexact path" (k-row
+forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"; no such note:
+it prints them bit for bit (an exact path, or one-row steps only)
+  --json keys: decoder, text, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
+  accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
+  tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
+  and law_of (whose tokens, or only whose law, it must print), load_peak_rss_mb,
+  decode_peak_rss_mb, notes, and draft/draft_mb (speculative) or amateur/amateur_mb (contrastive)
+--trace prints each step on stderr: plain its token; lookahead the window (levels x columns,
+with positions), the mask when its shape changes, the arm, the guesses and what was accepted
+from which; speculative each draft's p(x), q(x), u and verdict; contrastive the expert's
+argmax, the pick and |V_head|; lookup the match and what was accepted of it."""
+
+
+def parser() -> argparse.ArgumentParser:
+    p = Parser(prog="python -m engine.run", description=__doc__ and __doc__.splitlines()[0], epilog=STATS_HELP,
+               formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--decoder", default="plain", choices=DECODERS, help="decoding loop")
+    p.add_argument("--prompt", help="the prompt (default: read stdin)")
+    p.add_argument("--raw", action="store_true",
+                   help="send the text as is: no chat template, and special-token strings in it "
+                        "(<|im_start|>, <s>) become control tokens. Without --raw the text is one "
+                        "user message and such strings in it stay plain text")
+    p.add_argument("--max-new-tokens", type=int, default=128, help="token budget")
+    p.add_argument("--stop", action="append", default=[], metavar="TEXT",
+                   help="end once the output contains TEXT, which is not printed (repeatable)")
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy")
+    p.add_argument("--top-k", type=int, default=0, help="0 = off")
+    p.add_argument("--top-p", type=float, default=1.0, help="1 = off")
+    p.add_argument("--seed", type=int, default=0, help="seed of the position-keyed random source")
+    p.add_argument("--checkpoint", help="HF-format checkpoint dir (default: SmolLM2-135M-Instruct)")
+    p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
+    p.add_argument("--no-prepack", action="store_true",
+                   help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row "
+                        "forwards most)")
+    p.add_argument("--batch-invariant", action=argparse.BooleanOptionalAction,
+                   help="each row of a forward rounds as it would alone (engine/fast/invariant.py), so every decoder "
+                        "prints plain's tokens bit for bit where this machine's probe agrees (--json exact_path). "
+                        "Default: on for bf16 and --int4 on a CPU (a one-row step costs about the same); off for "
+                        "fp32 on a CPU (one-row steps ~9%% slower) and on CUDA (an H200's bf16 plain: 0.63x)")
+    p.add_argument("--int4", action="store_true",
+                   help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), the LM head in 8-bit "
+                        "groups (Q8_0) under an AVX-512 dispatch, bf16 activations: "
+                        "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
+    p.add_argument("--compile", action="store_true",
+                   help="--int4's layer stack compiled ahead of time (engine/fast/aot.py): built once per machine and "
+                        "model (1-2 minutes; needs a C++ compiler), kept beside the cost table, loaded in seconds "
+                        "after. Every decoder prints the compiled plain's tokens, which may differ from eager "
+                        "plain's; where it cannot compile, one note and the eager step")
+    p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--trace", action="store_true",
+                   help="print what every step did on stderr (see below); the answer then comes at the end")
+    p.add_argument("--cost-table", metavar="JSON",
+                   help="k-row forward costs for the adaptive choices, as written by `python -m tools.bench "
+                        "--forward-cost` (default: this machine's, measured once into ~/.cache/engine/; fixed "
+                        "constants where that cannot be written)")
+    p.add_argument("--adaptive", action=argparse.BooleanOptionalAction, default=True,
+                   help="a policy chooses per step from the tokens seen and the prices (engine/adapt/policy.py): "
+                        "lookahead's arm (a copy, a plain step, a window size), lookup's copy length, "
+                        "speculative's K (0 = a plain step); --no-adaptive: the textbook loop (default on)")
+    g = p.add_argument_group("speculative's prices")
+    g.add_argument("--draft-cost", type=float,
+                   help="one draft token's cost in one-row target forwards, for --adaptive, of an int4 or "
+                        "checkpoint draft (layers:L is priced by its share of the layers; default: "
+                        "measured once on this machine beside the cost table)")
+    add_knobs(p)
+    return p
+
+
+def add_knobs(p: argparse.ArgumentParser) -> None:
+    """A flag per knob and second model the registry declares, under its decoder's heading;
+    a knob two decoders share (num_draft) is one flag, under the first."""
+    seen = set()
+    for d in DECODERS.values():
+        new = [k for k in d.knobs if k.name not in seen] + [d.second] * (d.second is not None)
+        if not new:
+            continue
+        g = p.add_argument_group(d.about)
+        for k in new:
+            if isinstance(k, Second):
+                g.add_argument(f"--{k.flag}", default=k.default, help=k.help)
+            elif k.type is bool:
+                g.add_argument(f"--{k.name.replace('_', '-')}", action="store_true", help=k.help)
+            else:
+                g.add_argument(f"--{k.name.replace('_', '-')}", type=k.type, default=k.default, help=k.help,
+                               **({"choices": k.choices} if k.choices else {}))
+            seen.add(getattr(k, "name", None))
+
+
+def models(args, ckpt) -> tuple:
+    """The second model a decoder needs: a checkpoint dir, `layers:L` of the target itself, or
+    (--draft) `int4`, the target's checkpoint loaded again in 4 bits, or `auto`."""
+    d = DECODERS[args.decoder]
+    if d.second is None:
+        return ()
+    spec = getattr(args, d.second.flag)
+    if d.second.flag == "draft" and spec in ("int4", "auto"):   # int4 where it can be built, else auto self-drafts
+        if args.int4 or args.device != "cpu":
+            why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself"
+            why += " (drop --int4)" if args.int4 else ""
+        elif spec == "auto" and ATEN_CAPABILITY == "DEFAULT":
+            why = ""   # no SIMD: torch's 4-bit kernel is a scalar loop, dearer than the target's fp32
+        else:
+            try:
+                # the fp32 target decides every token: its draft needs no exact kernels unless asked
+                flags = {**vars(args), "int4": True, "batch_invariant": bool(args.batch_invariant)}
+                return (load(ckpt, argparse.Namespace(**flags)),)
+            except ValueError as e:       # shapes that do not pack in groups of 32
+                why = f"--draft int4: {e}"
+        if spec == "auto":
+            return (self_draft(load_config(ckpt).n_layers),)
+        raise ValueError(why)
+    if not spec.startswith("layers:"):
+        return (load(spec, args),)
+    return (d.second.early_exit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
+
+
+def self_draft(n_layers: int) -> SelfDraft:
+    return SelfDraft(min(SELF_DRAFT_LAYERS, max(n_layers - 1, 1)))
+
+
+def knobs(args) -> dict:
+    """The decoder's knobs the command set; an unset one keeps decode()'s default."""
+    return {k: getattr(args, k) for k in DECODERS[args.decoder].names if getattr(args, k) is not None}
+
+
+def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
+    """The second model and the policy's prices: this machine's cost table (measured once,
+    then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
+    pays more than the self-draft at their priors (engine/adapt/policy.py, pick_draft)."""
+    p = api_prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append)
+    if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
+        own = self_draft(model.config.n_layers)
+        pick = pick_draft(model, [(own, Prices(p.table)), (second[0], p)])
+        return (pick,), Prices(p.table) if pick is own else p
+    return second, p
+
+
+def load(ckpt, args):
+    return build(ckpt, dtype=DTYPES[args.dtype], device=args.device, int4=args.int4,
+                 packed=not args.no_prepack, batch_invariant=args.batch_invariant)
+
+
+def check_flags(args) -> None:
+    """Every flag that can be judged without the checkpoint, before anything is read."""
+    if args.max_new_tokens < 1:
+        raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    # subtle: Python keeps undecodable argv bytes as lone surrogates; the tokenizer would raise
+    # on them deep inside, so name them here
+    for flag, text in [("--prompt", args.prompt or "")] + [("--stop", t) for t in args.stop]:
+        try:
+            text.encode("utf-8")
+        except UnicodeEncodeError as e:
+            raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start}: {text[e.start]!r})") from None
+    device(args.device)
+    if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
+        raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
+    if args.compile:
+        check_compile(args.int4, args.batch_invariant, "--compile", "--int4 --dtype bfloat16", "--no-batch-invariant")
+    if "" in args.stop:
+        raise ValueError("--stop '' would stop before the first token")
+    if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
+        raise ValueError(f"--draft-cost must be a number in [0.01, 100], got {args.draft_cost:g}")
+    if args.batch_invariant and args.no_prepack:
+        raise ValueError("--batch-invariant sets the packed path's kernel; it has no effect with --no-prepack")
+    for flag in ("checkpoint", "draft", "amateur"):
+        spec = getattr(args, flag)
+        if spec == "":   # '' is not "the default": it is a path nobody meant
+            raise ValueError(f"--{flag} '' names no checkpoint")
+        L = (spec or "").removeprefix("layers:")
+        if flag != "checkpoint" and L != spec and not (L.isascii() and L.isdigit()):
+            raise ValueError(f"--{flag} {spec!r}: expected layers:L with L an integer")
+    t = args.amateur_temperature   # the same rule as Sampler's temperature (sampling.py)
+    if not (math.isfinite(t) and t >= 1e-4):
+        raise ValueError(f"--amateur-temperature must be a finite number >= 1e-4 (a smaller one "
+                         f"overflows l_A / tau), got {t:g}")
+
+
+def device(name: str) -> torch.device:
+    """--device as torch understands it, on a device that exists here and can hold weights."""
+    d = check_device(name, "--device")
+    if d.type not in ("cpu", "cuda"):   # meta holds no data; others are untested here
+        raise ValueError(f"--device {name!r}: only cpu and cuda[:N] run the engine")
+    return d
+
+
+def read_stdin(most: int) -> str:
+    """stdin read to its end but never past `most` bytes (`yes |` never ends)."""
+    if sys.stdin is None:
+        raise ValueError("no --prompt, and stdin is closed")
+    data = getattr(sys.stdin, "buffer", sys.stdin).read(most + 1)
+    data = data if isinstance(data, bytes) else data.encode()   # a text stream without .buffer
+    if len(data) > most:
+        raise ValueError(f"stdin holds more than {most:,} bytes, more text than the model's context can hold")
+    try:  # decoded here, strictly: the locale's decoder may keep bad bytes as surrogates
+        return data.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"stdin is not UTF-8 text ({e.reason}: byte {data[e.start]:#04x} "
+                         f"at offset {e.start})") from None
+
+
+def bound_knobs(args) -> None:
+    """Clamp lookahead's and the drafts' sizes to what the token budget can use, said once on
+    stderr. A window column or a draft token past the budget can never be accepted, yet each
+    costs memory: --num-draft 10^9 would try to allocate a cache of 10^9 slots. (A lookahead
+    step wider than the model's context is lookahead.decode's to refuse.)"""
+    for name in DECODERS[args.decoder].sizes:
+        top = args.max_new_tokens + 1 if name == "ngram" else args.max_new_tokens   # x and N-1 tokens after it
+        v = getattr(args, name)
+        if v is not None and v > top:
+            warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token budget can use")
+            setattr(args, name, top)
+
+
+def run(args) -> dict:
+    check_flags(args)
+    sampler, rng = Sampler(args.temperature, args.top_k, args.top_p), Random(args.seed)
+    ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
+    if not Path(ckpt).is_dir():
+        raise ValueError(f"checkpoint {ckpt} is not a directory "
+                         "(convert a GGUF with `python -m tools.convert convert`)")
+    config = load_config(ckpt)                  # validated before any weight is read
+    tok = Tokenizer.load(ckpt)
+    if tok.vocab_size > config.vocab_size:   # an id past the embedding would index no row
+        raise ValueError(f"{Path(ckpt) / 'config.json'}: vocab_size {config.vocab_size} is smaller "
+                         f"than the tokenizer's {tok.vocab_size} ids")
+    # a text of more than context x the longest token's characters cannot fit; 4 bytes a character
+    text = args.prompt if args.prompt is not None else read_stdin(4 * tok.max_text_chars)
+    prompt = encode(tok, text, args.raw)        # --raw: control tokens on purpose; see --help
+    check_fits(len(prompt), args.max_new_tokens, config, "--max-new-tokens")
+    bound_knobs(args)
+    args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
+    model = load(ckpt, args)
+    second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
+    if args.compile:   # built once per machine and model (said as it goes), then loaded
+        early = second[0] if second and isinstance(second[0], (int, SelfDraft)) else None
+        model = compile_step(model, lambda line: warn(f"note: {line}"),
+                             splits=[early.layers if isinstance(early, SelfDraft) else early] if early else [])
+    d, given = DECODERS[args.decoder], knobs(args)
+    # a policy is priced by this machine's costs (a note says where they went); --draft auto picks here
+    steps, given, second = wire(args.decoder, model, second, prompt, given, adaptive=args.adaptive,
+                                price=lambda second: prices(args, model, second, notes), sampler=sampler,
+                                rng=rng, max_new_tokens=args.max_new_tokens, trace=args.trace)
+    load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
+    # a stop string that the newest token completes lies in the text of the last m tokens
+    # (m = its bytes: every token is at least one byte); one more token keeps its lead intact
+    tail = max((len(s.encode()) for s in args.stop), default=0) + 1
+    stop = (lambda ids: any(s in tok.decode(ids[-tail:]) for s in args.stop)) if args.stop else None
+    if args.trace:
+        ends = lambda tokens, out: cut(tokens, out, args.max_new_tokens, set(tok.eos_ids), stop)
+        steps = traced(steps, Tracer(tok.decode), cut=ends)
+    stats, out, stream, t0 = Stats(), [], StreamDecoder(tok), time.perf_counter()
+    streamed, shown = "", 0
+    for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids, stop=stop,
+                      stats=stats):
+        out.append(x)
+        if not args.json and x not in tok.eos_ids:
+            streamed += stream.push(x)
+            if not args.trace:   # traced, the answer waits for the end: a step's lines never break it
+                sure = before_stop(streamed, args.stop, final=False)
+                print(sure[shown:], end="", flush=True)
+                shown = len(sure)
+    seconds = time.perf_counter() - t0
+    if not args.json:
+        print(before_stop(streamed + stream.flush(), args.stop)[shown:])
+    text = before_stop(tok.decode([x for x in out if x not in tok.eos_ids]), args.stop)
+    # subtle: a k-row forward rounds a row apart from a one-row forward (SDPA's key blocks follow
+    # the call's shape; in bf16, and on CUDA, the matmuls too), so a decoder that verifies k rows
+    # may leave plain's tokens: in fp32 only at a near-tie (logits ~1e-4 apart), in bf16 and int4
+    # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
+    # row-invariant (engine/fast/invariant.py), probed once on this machine (cost.probed)
+    # and compiled (--compile), no forward that decides tokens may have run eager after the prompt
+    exact = model.layers[0].attention.attend is row_attention and probed(model) \
+        and not getattr(model.blocks, "eager", 0)
+    held_to, law_of = promise(d, given, args.temperature)
+    return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": held_to, "law_of": law_of,
+            "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
+            "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
+            "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
+            "tokens_per_second": stats.n_tokens / seconds, "prefill_seconds": stats.prefill_seconds,
+            "decode_tokens_per_second": stats.decode_tokens_per_second,
+            "draft_forwards": stats.draft_forwards, "drafted": stats.drafted, "accepted": stats.accepted,
+            "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
+            "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
+            "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
+            **second_model(args, second)}
+
+
+def promise(d: Decoder, given: dict, temperature: float) -> tuple[str | None, str | None]:
+    """(held_to, law_of): whose tokens a decoder of k-row forwards must print (plain's, or
+    contrastive's own one-row steps); sampled and verified by rejection, only whose law (coupled
+    keeps the seed's tokens). A decoder of one-row forwards only has nothing to disclaim."""
+    if temperature > 0 and d.rejection(given):
+        return None, d.held_to
+    return None if d.one_row(given) else d.held_to, None
+
+
+def second_model(args, second: tuple) -> dict:
+    """What the second model is ("draft": "int4", "layers:20", a path) and the memory it adds."""
+    if DECODERS[args.decoder].second is None:
+        return {}
+    flag = DECODERS[args.decoder].second.flag
+    m, spec = second[0], getattr(args, flag)
+    if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
+        return {flag: f"layers:{m.layers if isinstance(m, SelfDraft) else m}", f"{flag}_mb": 0.0}
+    name = "int4" if spec in ("int4", "auto") else spec
+    return {flag: name, f"{flag}_mb": round(resident_bytes(m) / 2**20, 1)}
+
+
+def before_stop(text: str, stops: list[str], final: bool = True) -> str:
+    """`text` up to the first stop string; unless final, also less a tail that may begin one.
+
+    Example: stops ["\n\nQ:"]: "A.\n\nQ: x" -> "A."; "A.\n" -> "A." until more text comes.
+    """
+    text = text[:min((text.find(s) for s in stops if s in text), default=len(text))]
+    if final:
+        return text
+    hold = max((k for s in stops for k in range(1, len(s)) if text.endswith(s[:k])), default=0)
+    return text[:len(text) - hold]
+
+
+def peak_rss_mb(reset: bool = False) -> float:
+    """This process's peak resident memory (Linux's VmHWM; ru_maxrss where /proc is missing,
+    though it counts a parent's peak after exec). reset: start a new peak after reading it."""
+    try:
+        status = Path("/proc/self/status").read_text()
+        peak = int(next(l for l in status.splitlines() if l.startswith("VmHWM:")).split()[1]) / 1024
+    except (OSError, StopIteration):
+        return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024   # kB -> MB
+    if reset:   # "5" resets VmHWM to VmRSS (Linux >= 4.0); without it the next peak includes this one
+        with contextlib.suppress(OSError):
+            Path("/proc/self/clear_refs").write_text("5")
+    return peak
+
+
+def main(argv: list[str] | None = None) -> int:
+    if sys.stdout is None:   # started with stdout closed (`>&-`): the answer would vanish
+        warn("error: stdout is closed: the answer would be lost")
+        return 2
+    stderr_closed = sys.stderr is None
+    if stderr_closed:   # `2>&-`: as 2>/dev/null. subtle: print(file=None) writes to stdout,
+        sys.stderr = open(os.devnull, "w")   # so notes would land inside the answer
+    args = parser().parse_args(argv)
+    try:
+        result = run(args)
+        if args.json:
+            print(json.dumps(result))
+        sys.stdout.flush()    # here, not at exit: a full disk must be this one line
+    except KeyboardInterrupt:
+        quiet_stdout()        # what was streamed stays; the rest is not wanted
+        return 130
+    except BrokenPipeError:   # the reader closed the pipe (| head): it has all it wanted
+        quiet_stdout()
+        return 141
+    except OSError as e:
+        quiet_stdout()
+        warn(f"error: {e}")
+        return 2
+    except (ValueError, KeyError) as e:
+        warn(f"error: {e}")
+        return 2
+    if not args.json:
+        warn(stats_line(result))
+    for line in result["notes"]:
+        warn(f"note: {line}")
+    return 0
+
+
+def warn(line: str) -> None:
+    """One line on stderr, if stderr can take it: a full or broken stderr (2>/dev/full) must
+    not turn a finished answer into a traceback (nor may --trace's lines: engine/trace.py)."""
+    with contextlib.suppress(OSError, ValueError):
+        print(line, file=sys.stderr, flush=True)
+
+
+def stats_line(r: dict) -> str:
+    """The stderr stats line; every field is defined in STATS_HELP (--help)."""
+    hist = " ".join(f"{k}x{v}" for k, v in r["step_lengths"].items())
+    held = r["held_to"]   # whose tokens it must print (run.promise)
+    draft = f" | {r['draft_forwards']} draft forwards" if r["draft_forwards"] else ""
+    for m in ("draft", "amateur"):   # which model (--draft auto chose one), and the memory it adds
+        if m in r:
+            mb = f", +{r[m + '_mb']:.0f} MB" if r[m + "_mb"] else ""
+            draft = f" | {r['draft_forwards']} draft forwards ({'amateur ' * (m == 'amateur')}{r[m]}{mb})"
+    acc = "" if r["acceptance"] is None else (
+        f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"
+        + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))
+    return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
+            f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
+            f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
+            + (f" | rejection sampling: {r['law_of']} law, not {r['law_of']} tokens" if r.get("law_of") else "")
+            + ("" if r["exact_path"] or not held else
+               f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant on fp32: exact)"
+               if r.get("near_exact") else
+               f" | inexact path: tokens may differ from {held} (k-row forwards round apart)"))
+
+
+def quiet_stdout() -> None:
+    """Make the exit-time flush of stdout harmless once writing to it has failed or stopped.
+
+    subtle: Python flushes sys.stdout at exit, and a failing flush there prints "Exception
+    ignored ... BrokenPipeError" and exits 120; pointing fd 1 at /dev/null ends that.
+    """
+    with contextlib.suppress(OSError, ValueError):
+        sys.stdout.flush()
+    with contextlib.suppress(OSError, ValueError):
+        if sys.stdout is sys.__stdout__:   # only the real stdout (not a test's capture)
+            os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())
+
+
+def console() -> None:
+    """The `engine-run` console script (pip install): `python -m engine.run` under another name."""
+    import signal
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    sys.exit(main())

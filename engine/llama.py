@@ -13,6 +13,18 @@ Shape letters, used in every comment of the engine:
   B batch, T queries (new tokens), S keys (= cached + T), C model dim, H query heads,
   Hkv key/value heads, D head dim, F FFN hidden dim, V vocab, L layers, K draft length.
 
+The seams, every place a fast path (engine/fast/) may swap a piece of this model; nothing
+else of it changes, so every decoder sees the same function, only faster:
+  Attention.attend        SDPA, or fast.invariant.row_attention (each row's keys on its own)
+  Attention.wqkv, .wo,    nn.Linear, or fast.packed's PackedLinear / Int4Linear / PaddedLinear:
+  FeedForward.w13, .w2    the same y = x W^T, prepacked, in 4-bit groups, or padded to 32 rows
+  Llama.packed_head       None (F.linear on the head weight), or a module for the head (bf16,
+                          Q8_0 groups); then `output` may be gone
+  Llama.blocks            the method, or an instance attribute of the same signature set by
+                          fast.aot.compile_step: the layer stack compiled (`model.__dict__`)
+Whether a model so swapped prints its plain's tokens bit for bit is one function's to say:
+engine/doors/session.py's on_exact_path(model).
+
 But: no batching logic (decoders run B=1), no training, no dropout, no weight init.
 """
 from __future__ import annotations

@@ -19,9 +19,6 @@ import contextlib
 import sys
 from typing import Callable, Iterable, Iterator
 
-import torch
-from torch import Tensor
-
 from engine.lookahead import step_rows, tree_mask
 
 

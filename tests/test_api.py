@@ -53,7 +53,7 @@ def test_every_decoder_by_name_gives_plains_tokens(ckpt, decoder):
 def test_batch_invariant_fp32_gives_plains_tokens_from_every_decoder(ckpt):
     # Why: batch_invariant is the API's --batch-invariant; fp32 rows then round alike, bit for bit
     from engine.fast.invariant import row_attention, rows_round_alike
-    llm = Engine.load(ckpt, batch_invariant=True)
+    llm = Engine.load(ckpt, dtype=torch.float32, batch_invariant=True)
     assert llm.model.layers[0].attention.attend is row_attention and rows_round_alike(llm.model)
     want = list(llm.tokens("the the the", max_new_tokens=16))
     for decoder in ("lookahead", "lookup", "speculative"):
@@ -181,3 +181,4 @@ def test_the_readme_snippet_runs(capsys):
     exec(compile(code, "README.md", "exec"), {})
     out = capsys.readouterr().out
     assert "Paris" in out and re.search(r"\d+ tokens in \d+ forwards", out)
+    assert out.startswith(("int4 bf16 | ", "fp32 batch-invariant | "))   # the default path, named

@@ -20,6 +20,7 @@ real = pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(),
 # asserts tokens or text that rest on this CPU's kernels: `make test` runs these again under a
 # second dispatch (the rest of this file would only repeat itself there)
 kernels = pytest.mark.kernels
+FP32 = ["--dtype", "float32"]   # the fp32 path (HF's tokens) by name: the default is the 4-bit one on a CPU
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -52,8 +53,8 @@ def built_once():
     (["--device", "meta", "--prompt", "hi"], "only cpu and cuda"),
     (["--no-prepack", "--batch-invariant", "--prompt", "hi"], "batch-invariant"),
     (["--stop", "", "--prompt", "hi"], "--stop"),
-    (["--int4", "--prompt", "hi"], "bfloat16"),
-    (["--compile", "--prompt", "hi"], "--int4"),
+    (["--int4", "--dtype", "float32", "--prompt", "hi"], "bfloat16"),
+    (["--compile", "--dtype", "float32", "--prompt", "hi"], "--int4"),
     (["--compile", "--int4", "--dtype", "bfloat16", "--no-batch-invariant", "--prompt", "hi"], "--compile"),
     (["--decoder", "speculative", "--draft", "layers:x", "--prompt", "hi"], "layers:L"),
     (["--decoder", "contrastive", "--amateur", "layers:²", "--prompt", "hi"], "layers:L"),
@@ -107,7 +108,7 @@ def plain_json(argv, capsys):
 @kernels
 def test_plain_greedy_answers_as_the_reference_implementation_does(capsys):
     # Why: the same chat-templated prompt through HF transformers gave this text (golden.json).
-    out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20"], capsys)
+    out = run_json([*FP32, "--prompt", "What is the capital of France?", "--max-new-tokens", "20"], capsys)
     assert out["text"] == "The capital of France is Paris."
     assert out["n_tokens"] == out["n_forwards"] == 8   # 7 tokens + <|im_end|>
 
@@ -151,7 +152,7 @@ def test_every_registered_decoder_is_held_to_plain_on_the_real_checkpoint():
 @pytest.mark.parametrize("name", GREEDY_DECODERS)
 def test_greedy_decoders_print_what_plain_prints(name, capsys):
     # Why: a user switching --decoder at temperature 0 must see the same text, only faster.
-    argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0"]
+    argv = [*FP32, "--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0"]
     plain = plain_json(argv + ["--decoder", "plain"], capsys)
     other = run_json(argv + GREEDY_DECODERS[name], capsys)
     assert other["tokens"] == plain["tokens"] and other["text"] == plain["text"]
@@ -164,7 +165,7 @@ def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
     # Why: --draft int4 drafts in 4 bits, but the fp32 target decides every token: coupled
     # verification prints plain sampling's tokens for the seed; rejection keeps plain's law
     # (test_proofs), and one command prints the same tokens every run.
-    argv = ["--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "5"]
+    argv = [*FP32, "--prompt", PROMPT, "--max-new-tokens", "32", "--temperature", "0.8", "--seed", "5"]
     plain = plain_json(argv, capsys)
     # --no-adaptive: K = 4 every step, whatever a busy machine's measured prices would say
     runs = [run_json(argv + ["--decoder", "speculative", "--draft", "int4", "--verify", verify, "--no-adaptive"],
@@ -183,7 +184,7 @@ def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
 def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, capsys):
     # Why: the default draft is a choice; the stats say which was taken, and it is the one
     # `speculative.pays` ranks first (a 4-bit draft at 0.05 of a forward wins, at 50 loses).
-    out = run_json(["--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative",
+    out = run_json([*FP32, "--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative",
                     "--draft-cost", price], capsys)
     assert out["draft"] == want and (out["draft_mb"] > 0) == (want == "int4")
 
@@ -197,7 +198,7 @@ def test_draft_auto_builds_no_4_bit_draft_where_the_4_bit_kernel_is_scalar(monke
     built, build = [], engine.doors.cli.build   # the module's kept builds (built_once)
     monkeypatch.setattr(engine.doors.cli, "ATEN_CAPABILITY", "DEFAULT")
     monkeypatch.setattr(engine.doors.cli, "build", lambda ckpt, **how: built.append(how["int4"]) or build(ckpt, **how))
-    out = run_json(["--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative", "--draft-cost", "0.05"],
+    out = run_json([*FP32, "--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative", "--draft-cost", "0.05"],
                    capsys)
     assert out["draft"] == "layers:20" and built == [False]   # at 0.05 a 4-bit draft would have won
 
@@ -251,7 +252,7 @@ def test_batch_invariant_fp32_is_exact_and_default_fp32_says_near_exact(capsys):
     # Why: fp32's SDPA rounds a verified row ~1e-4 of a logit apart from plain's one row, so the
     # default fp32 path is called near-exact; --batch-invariant makes fp32 row-exact (attention
     # by invariant.row_attention), and there every decoder prints plain's tokens, bit for bit
-    argv = ["--prompt", PROMPT, "--max-new-tokens", "16", "--no-adaptive"]   # textbook loops: no pricing
+    argv = [*FP32, "--prompt", PROMPT, "--max-new-tokens", "16", "--no-adaptive"]   # textbook loops: no pricing
     default = run_json(argv + ["--decoder", "lookup"], capsys)
     assert not default["exact_path"] and default["near_exact"]
     assert "near-exact path" in stats_line(default)
@@ -277,7 +278,7 @@ def test_int4_speculative_sampling_is_plains_with_the_seed(capsys):
 
 @real
 def test_streamed_text_equals_the_json_text(capsys):
-    argv = ["--prompt", "Say hi in French.", "--max-new-tokens", "12"]
+    argv = [*FP32, "--prompt", "Say hi in French.", "--max-new-tokens", "12"]
     assert main(argv) == 0
     streamed = capsys.readouterr().out
     assert streamed.rstrip("\n") == run_json(argv, capsys)["text"]
@@ -301,7 +302,7 @@ def test_text_before_a_stop_string(text, final, want):
 def test_stop_string_ends_the_answer_before_it(decoder, capsys):
     # Why: "--stop" is how a user ends an answer at a marker; the text must end just before it,
     # streamed or not, and every greedy decoder must stop on the same token.
-    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20",
+    argv = [*FP32, "--prompt", "What is the capital of France?", "--max-new-tokens", "20",
             "--decoder", decoder, "--stop", "Paris", "--stop", "never seen"]
     out = run_json(argv, capsys)
     assert out["text"] == "The capital of France is "
@@ -315,7 +316,7 @@ def test_stop_string_ends_the_answer_before_it(decoder, capsys):
 def test_a_stop_string_spanning_several_tokens_is_seen(capsys):
     # Why: the CLI decodes only a tail of tokens per check; a stop string made of several
     # tokens must still fall inside it (a one-token tail would miss this one).
-    out = run_json(["--prompt", "What is the capital of France?", "--max-new-tokens", "20",
+    out = run_json([*FP32, "--prompt", "What is the capital of France?", "--max-new-tokens", "20",
                     "--stop", "capital of France"], capsys)
     assert out["text"] == "The " and out["n_tokens"] == 4   # The / capital / of / France
 
@@ -334,7 +335,7 @@ def test_help_defines_every_stats_field_and_the_trace(capsys):
 @real
 def test_help_names_every_json_key(capsys):
     # Why: --json is read by programs; a key --help does not name is a key nobody can rely on
-    keys = run_json(["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "speculative",
+    keys = run_json([*FP32, "--prompt", "hi", "--max-new-tokens", "2", "--decoder", "speculative",
                      "--draft", "layers:20"], capsys)
     with pytest.raises(SystemExit):
         main(["--help"])
@@ -355,7 +356,7 @@ def test_help_works_with_docstrings_stripped():
 def test_lookup_traces_its_steps_and_prints_plain_greedy_text(capsys):
     # Why: the fifth decoder runs from the CLI by its registry line and flags; its trace says,
     # step by step, exactly the tokens that were printed (the golden greedy answer).
-    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--decoder", "lookup",
+    argv = [*FP32, "--prompt", "What is the capital of France?", "--max-new-tokens", "20", "--decoder", "lookup",
             "--lookup-ngram", "2", "--lookup-tokens", "5", "--trace", "--json"]
     assert main(argv) == 0
     out, err = capsys.readouterr()
@@ -372,7 +373,7 @@ def test_a_self_draft_shows_its_draft_forwards(capsys):
     # Why: speculative with layers:8 once printed "acceptance 0.00" and hid its draft forwards;
     # they are counted now, and the trace shows each rejected draft with the models' p and q
     # (greedy: the laws are one-hot, so their 1 and 0 would say nothing).
-    argv = ["--prompt", "What is the capital of France?", "--max-new-tokens", "4", "--decoder", "speculative",
+    argv = [*FP32, "--prompt", "What is the capital of France?", "--max-new-tokens", "4", "--decoder", "speculative",
             "--draft", "layers:8", "--no-adaptive", "--num-draft", "3", "--trace"]
     assert main(argv) == 0
     err = capsys.readouterr().err
@@ -458,7 +459,7 @@ def test_the_first_run_says_where_it_kept_the_cost_table_and_later_runs_do_not(t
     # why: the table is measured once and priced with forever after, so the user must learn
     # where it went (a busy spell during that one measurement makes every k-row look dear)
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))
-    argv = ["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]
+    argv = [*FP32, "--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]
     notes = []
     for _ in range(2):
         assert main(argv) == 0
@@ -473,7 +474,7 @@ def test_a_home_that_cannot_keep_the_table_prices_by_constants_and_says_so(tmp_p
     (tmp_path / "file").write_text("")
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "file"))
     monkeypatch.setattr("engine.adapt.cost.measure", lambda m: pytest.fail("measured where nothing can be kept"))
-    assert main(["--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]) == 0
+    assert main([*FP32, "--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]) == 0
     notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note: ")]
     assert len(notes) == 1 and "cannot keep" in notes[0] and "fixed constants" in notes[0]
 
@@ -490,3 +491,36 @@ def test_the_exact_claim_is_probed_once_per_machine_and_read_back(tmp_path, monk
     argv = ["--prompt", "hi", "--max-new-tokens", "2"] + INT4_EXACT
     first, again = run_json(argv, capsys), run_json(argv, capsys)
     assert len(said) == 1 and first["exact_path"] == again["exact_path"] == said[0]   # its answer, kept
+
+
+@real
+@kernels
+def test_the_default_path_is_named_and_every_decoder_prints_its_plains_tokens(capsys):
+    # Why: `python -m engine.run --decoder lookahead` with no path flags must keep the promise
+    # on the fastest path it can: here the 4-bit one (the model packs in groups of 32), named in
+    # the stats line, where every decoder prints that path's plain tokens
+    # (under a SIMD-less dispatch, make test's second pass on an AVX2 CPU, 4 bits would be a
+    # scalar loop: there the default is fp32 with the batch-invariant kernels, exact too)
+    from engine.kvcache import ATEN_CAPABILITY
+    name = "fp32 batch-invariant" if ATEN_CAPABILITY == "DEFAULT" else "int4 bf16"
+    argv = ["--prompt", PROMPT, "--max-new-tokens", "24"]
+    plain = run_json(argv, capsys)
+    assert plain["path"] == name and (plain["path_why"] == "") == (name == "int4 bf16")
+    if not plain["exact_path"]:
+        pytest.skip("invariant.rows_round_alike: this CPU's kernels round a row by row count")
+    for decoder in ("lookahead", "lookup"):
+        other = run_json(argv + ["--decoder", decoder], capsys)
+        assert other["tokens"] == plain["tokens"] and other["exact_path"] and other["path"] == name
+    assert main(argv) == 0
+    assert f"| path {name}" in capsys.readouterr().err.strip().splitlines()[-1]
+
+
+def test_the_stats_line_names_the_path_and_why_the_default_fell_back():
+    r = {"decoder": "plain", "n_tokens": 4, "n_forwards": 4, "draft_forwards": 0, "tokens_per_forward": 1.0,
+         "acceptance": None, "step_lengths": {1: 4}, "prefill_seconds": 0.1, "decode_tokens_per_second": 9.0,
+         "held_to": None, "exact_path": True, "path": "fp32 batch-invariant",
+         "path_why": "projections that do not pack in 4-bit groups of 32"}
+    line = stats_line(r)
+    assert line.endswith("| path fp32 batch-invariant (the default here: projections that do not pack "
+                         "in 4-bit groups of 32)")
+    assert stats_line({**r, "path_why": ""}).endswith("| path fp32 batch-invariant")

@@ -7,6 +7,7 @@ the clock would then make two runs of one command differ. `RowDependent` stands 
 path, exaggerated: its logits move with the number of rows in the forward.
 """
 import itertools
+import os
 import json
 import random
 import time
@@ -201,11 +202,15 @@ def test_a_draft_price_is_measured_once_and_read_back(tmp_path, monkeypatch):
     monkeypatch.setattr(cost, "measure_draft", lambda t, d: 42.0)    # a second measurement's answer
     assert cost.draft_price(target, draft, tmp_path, heard.append) == first and len(heard) == 1
     assert cost.draft_price(target, draft, tmp_path / "elsewhere") == 42.0   # a new place measures
-    # a kept file that lies about the price is one error naming it, not a silent price
+    # a kept file that lies about the price is never a silent price: one notice naming it, and
+    # the price measured anew (the broken variant, reading it as it is, would price K at 0)
     path = next(p for p in tmp_path.iterdir() if p.is_file())
     path.write_text('{"draft_cost": 0}')
+    heard.clear()
+    assert cost.draft_price(target, draft, tmp_path, heard.append) == 42.0
+    assert path.name in heard[0] and "measuring it anew" in heard[0]
     with pytest.raises(ValueError, match=path.name):
-        cost.draft_price(target, draft, tmp_path)
+        cost.draft_cost({"draft_cost": 0}, path)
 
 
 def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_before(monkeypatch):
@@ -217,7 +222,7 @@ def test_two_gpus_on_one_host_keep_their_prices_apart_and_a_cpus_key_is_as_befor
     assert artifacts.device_name(cuda) != artifacts.device_name(cuda)
     assert artifacts.device_name(torch.device("cpu")) == "cpu"
     # and the key a table is kept under holds it
-    monkeypatch.setattr(cost, "device_name", lambda device: "the device's name")
+    monkeypatch.setattr(artifacts, "device_name", lambda device: "the device's name")
     assert "the device's name" in artifacts.model_key(tiny_llama(0))
 
 
@@ -247,14 +252,16 @@ def test_the_exact_path_probe_runs_once_per_key_and_anew_where_nothing_can_be_ke
     monkeypatch.setattr(artifacts, "cpuinfo", lambda f: "fpu avx2" if f == "flags" else real(f))   # fewer flags
     assert not cost.probed(model, tmp_path) and len(calls) == 5
     [path] = set(tmp_path.iterdir()) - before                                 # that answer's file
-    for kept in ('{"rows_round_alike": "yes"}', '[true]'):                       # only true is true
-        path.write_text(kept)
-        assert not cost.probed(model, tmp_path) and len(calls) == 5
-    path.write_text('{"rows_round_al')                                          # cut short: probed anew
-    assert not cost.probed(model, tmp_path) and len(calls) == 6
+    path.write_text('{"rows_round_alike": "yes"}')                             # only true is true
+    assert not cost.probed(model, tmp_path) and len(calls) == 5
+    for bad in ('[true]', '{"rows_round_al', ''):          # not an answer, cut short, empty: probed anew,
+        path.write_text(bad)                              # once, and kept for the run after
+        n = len(calls)
+        assert not cost.probed(model, tmp_path) and len(calls) == n + 1
+        assert not cost.probed(model, tmp_path) and len(calls) == n + 1 and path.is_file()
     (tmp_path / "file").write_text("")                                          # nothing can be kept
     assert not cost.probed(model, tmp_path / "file") and not cost.probed(model, tmp_path / "file")
-    assert len(calls) == 8
+    assert len(calls) == 10
 
 
 def test_the_probes_key_holds_the_code_it_probes(tmp_path, monkeypatch):
@@ -271,3 +278,53 @@ def test_the_probes_key_holds_the_code_it_probes(tmp_path, monkeypatch):
     monkeypatch.setattr(packed, "__file__", str(edited))
     cost.probed(model, tmp_path)
     assert len(calls) == 2
+
+
+def test_a_killed_runs_half_written_table_is_swept_and_a_live_ones_kept(tmp_path):
+    # Why: a run killed while measuring prices leaves `.cost-*.json.PID` behind, and nothing
+    # else ever removes it; a run still writing its own must not lose it
+    import subprocess
+    import sys
+    from engine.fast.artifacts import sweep
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()                       # a PID that has exited
+    (tmp_path / f".cost-ab.json.{dead}").write_text("{")
+    (tmp_path / f".step-cd.{dead}.pt2").write_bytes(b"PK")
+    mine = tmp_path / f".cost-ef.json.{os.getpid()}"
+    mine.write_text("{")
+    kept_file = tmp_path / "cost-ab.json"
+    kept_file.write_text("{}")
+    assert sorted(p.name for p in sweep(tmp_path)) == sorted([f".cost-ab.json.{dead}", f".step-cd.{dead}.pt2"])
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted([mine.name, kept_file.name])
+    # the price cache sweeps as it keeps: kept() on the same folder leaves no dead run's file
+    (tmp_path / f".cost-gh.json.{dead}").write_text("{")
+    cost.kept("k", lambda: {"x": 1}, tmp_path, None)
+    assert not (tmp_path / f".cost-gh.json.{dead}").exists() and mine.exists()
+
+
+def test_the_sweep_test_sees_a_sweep_that_takes_a_live_runs_file(tmp_path, monkeypatch):
+    # the broken variant: every temporary file taken, the live run's too
+    from engine.fast import artifacts
+    monkeypatch.setattr(artifacts, "alive", lambda pid: False)
+    mine = tmp_path / f".cost-ef.json.{os.getpid()}"
+    mine.write_text("{")
+    artifacts.sweep(tmp_path)
+    assert not mine.exists()
+
+
+@pytest.mark.parametrize("bad", ["", '{"forward_cost": {"engine": {"1": {"ratio": 1.0}, "8": {"ratio"',
+                                 '{"forward_cost": {"engine": {"1": {"ratio": 0}}}}', "[1, 2]",
+                                 '{"key": "another model", "forward_cost": {"engine": {"1": {"ratio": 1.0}}}}'])
+def test_a_kept_table_that_is_bad_is_measured_anew_once_with_a_notice(tmp_path, monkeypatch, bad):
+    # Why: a table cut short (a full disk, a killed copy), edited or another key's must not
+    # stop every later run with an error until the user finds the file: it is measured again,
+    # once, said in one notice, and the run after reads the new one back in silence
+    monkeypatch.setattr(cost, "measure", lambda model, *a, **k: {1: 1.0, 8: 1.5})
+    model, notes = tiny_llama(0), []
+    assert cost.calibrated(model, tmp_path) == {1: 1.0, 8: 1.5}
+    [path] = list(tmp_path.glob("cost-*.json"))
+    path.write_text(bad)
+    assert cost.calibrated(model, tmp_path, notes.append) == {1: 1.0, 8: 1.5}
+    assert len(notes) == 2 and "measuring it anew" in notes[0] and "measured this machine" in notes[1]
+    notes.clear()
+    assert cost.calibrated(model, tmp_path, notes.append) == {1: 1.0, 8: 1.5} and notes == []

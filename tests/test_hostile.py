@@ -15,6 +15,7 @@ import dataclasses
 import errno
 import io
 import json
+import re
 import os
 import shutil
 import signal
@@ -1157,3 +1158,49 @@ def test_a_tokenizer_with_ids_past_the_models_vocabulary_is_one_line(ckpt, tmp_p
     assert Tokenizer.load(d).encode("<|tool|>") == [V]
     with pytest.raises(IndexError):
         load_model(d)(torch.tensor([[V]]), torch.arange(1))
+
+
+# --------------------------------------------------------------------------- only the engine's words on stderr
+
+# torch's and inductor's own log lines (glog-style "W1201 09:30:04.123 ...", Python warnings)
+LIBRARY_LINE = re.compile(r"^[WIEF]\d{4} \d\d:\d\d:\d\d|Warning:|warnings\.warn|^\s*File \"|TORCH_LOGS")
+
+
+def engine_lines_only(stderr: str) -> list[str]:
+    """The stderr lines a user would read that the engine did not write."""
+    return [line for line in stderr.splitlines() if LIBRARY_LINE.search(line)]
+
+
+@pytest.mark.parametrize("flags", [[], ["--dtype", "float32"], ["--decoder", "lookahead"],
+                                   ["--decoder", "speculative", "--draft", "layers:1"],
+                                   ["--decoder", "contrastive", "--amateur", "layers:1"], ["--int4", "--no-batch-invariant"]])
+def test_stderr_holds_only_the_engines_lines(ckpt, flags):
+    # Why: a user reads stderr for the engine's notes and stats; a library's raw log line (a
+    # path of the machine, advice on TORCH_LOGS) is noise at best and alarming at worst
+    p = engine_run(["--checkpoint", str(ckpt), "--prompt", "hi", "--max-new-tokens", "4", *flags])
+    _, err = p.communicate(timeout=120)
+    assert p.returncode == 0 and engine_lines_only(err.decode()) == [], err.decode()
+
+
+def test_the_stderr_check_sees_a_raw_torch_log_line():
+    # the broken variant: the line torch printed for an outdated compiled step
+    raw = "W1201 09:30:04.123000 4242 torch/_inductor/package/package.py:120] Loading outdated pt2 file."
+    assert engine_lines_only(f"note: compile: ...\n{raw}\n[plain] 4 tokens") == [raw]
+
+
+def test_two_first_runs_at_once_both_answer_and_leave_one_valid_table(ckpt, tmp_path):
+    # Why: a user's two terminals (or a test runner's workers) may both be the first adaptive
+    # run on a machine: both measure this machine's prices into one cache; each must answer
+    # with its path's plain tokens, and the cache must hold one valid table and no leftovers
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path / "cache")}
+    args = ["--checkpoint", str(ckpt), "--prompt", "the the the", "--max-new-tokens", "8", "--json"]
+    runs = [engine_run(args + ["--decoder", "lookahead"], env=env) for _ in range(2)]
+    outs = [p.communicate(timeout=300) for p in runs]
+    plain = engine_run(args, env=env)
+    want = json.loads(plain.communicate(timeout=120)[0])["tokens"]
+    assert [p.returncode for p in runs] == [0, 0]
+    assert [json.loads(out)["tokens"] for out, _ in outs] == [want, want]
+    kept = sorted((tmp_path / "cache" / "engine").iterdir())
+    assert [p.name for p in kept if p.name.startswith(".")] == []                # no half-written file
+    tables = [p for p in kept if p.name.startswith("cost-")]
+    assert tables and all(isinstance(json.loads(p.read_text()), dict) for p in tables)

@@ -219,7 +219,7 @@ CLI_FLAGS = {"contrastive": ["--amateur", "layers:1"], "speculative": ["--draft"
 
 
 @pytest.mark.parametrize("decoder", [[name, *CLI_FLAGS.get(name, [])] for name in DECODERS]
-                         + [["speculative", "--draft", "int4", "--num-draft", "3"]])   # every registry line
+                         + [["speculative", "--draft", "int4", "--num-draft", "3", "--dtype", "float32"]])   # every registry line
 def test_cli_trace_prints_one_block_per_target_forward(tiny_checkpoint, decoder, capsys):
     # Why: `--trace` is the flag a reader types; on any checkpoint it must print every step
     # (one per target forward) on stderr and leave stdout's answer alone.

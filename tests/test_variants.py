@@ -336,8 +336,8 @@ def test_cli_prints_hf_greedy_tokens_for_a_transformers5_llama3_checkpoint(check
     # the checkpoint that printed other tokens than HF before rope_parameters was read
     d = cli_checkpoint(checkpoints, "llama3", tmp_path)
     prompt = Tokenizer.load(d).encode(TEXT)
-    argv = ["--checkpoint", str(d), "--raw", "--prompt", TEXT, "--decoder", "plain",
-            "--temperature", "0", "--max-new-tokens", "16", "--json"]
+    argv = ["--checkpoint", str(d), "--raw", "--prompt", TEXT, "--decoder", "plain", "--dtype", "float32",
+            "--temperature", "0", "--max-new-tokens", "16", "--json"]   # fp32: HF's tokens
     assert main(argv) == 0
     assert json.loads(capsys.readouterr().out)["tokens"] == hf_greedy(checkpoints["llama3"][0], prompt, 16)
 

@@ -28,8 +28,8 @@ import torch
 
 from engine import llama
 from engine.fast import artifacts, invariant, packed
-from engine.fast.artifacts import cache_home, kernel_env, model_key
-from engine.kvcache import KVCache, attention_dtype
+from engine.fast.artifacts import cache_home, kernel_env, model_key, sweep
+from engine.kvcache import KVCache
 from engine.llama import Llama
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
@@ -124,7 +124,7 @@ def calibrated(model: Llama, folder: Path | None = None,
     None where it cannot be kept (the policy then prices by policy.SLOPE)."""
     def table() -> dict:
         return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in measure(model).items()}}}
-    found = kept(f"{model_key(model)}|{ROW_COUNTS}|{HOW}", table, folder, notify)
+    found = kept(f"{model_key(model)}|{ROW_COUNTS}|{HOW}", table, folder, notify, check=table_from)
     return None if found is None else table_from(*found)
 
 
@@ -133,10 +133,11 @@ def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
     """One draft token's cost in one-row target forwards on this machine, kept like the table
     (None where it cannot be kept: policy.DRAFT_COST then)."""
     found = kept(f"draft|{model_key(target)}|{model_key(draft)}",
-                 lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify)
-    if found is None:
-        return None
-    data, path = found
+                 lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify, check=draft_cost)
+    return None if found is None else draft_cost(*found)
+
+
+def draft_cost(data: dict, path: Path) -> float:
     c = data.get("draft_cost") if isinstance(data, dict) else None
     if isinstance(c, bool) or not isinstance(c, (int, float)) or not 0.01 <= c <= 100:
         raise ValueError(f"{path}: draft_cost must be a number in [0.01, 100], got {c!r}")
@@ -178,31 +179,40 @@ def one_row_seconds(model: Llama, context: int) -> float:
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,
-         notify: Callable[[str], None] | None) -> tuple[dict, Path] | None:
+         notify: Callable[[str], None] | None, check: Callable[[dict, Path], object] = lambda d, p: d
+         ) -> tuple[dict, Path] | None:
     """(measure()'s JSON object, where it is kept): measured once per key, then read back.
 
     Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), named by a hash of the key; the first
     writer wins a race, and every process uses the file as written. Delete it to measure
-    again. `notify` hears one line when this call measured, so a CLI can say where it went.
+    again. A kept file that is not JSON, holds another key or fails `check(data, path)` (a
+    ValueError) is measured anew, once, with a notice. `notify` hears one line when this call measured, so a CLI can say where it went.
     None where nothing can be kept (a read-only home): the caller then prices by fixed
     constants, since a measurement taken anew by every run would let runs print apart.
     """
     folder = folder or cache_home() / "engine"
     path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
     if path.is_file():
-        return read_json(path), path
+        try:
+            return read_kept(path, key, check), path
+        except ValueError as e:   # cut short, edited, another key's: measured anew, once
+            if notify:
+                notify(f"{e}: measuring it anew")
+            with contextlib.suppress(OSError):
+                path.unlink()
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
+        sweep(folder)                                  # what killed runs left half-written
         with open(tmp, "wb") as f:                     # opened first: a read-only home measures nothing
             f.write(json.dumps({"key": key, **measure()}).encode())   # seconds, once per machine
         try:
             os.link(tmp, path)                         # subtle: fails if another process won
         except FileExistsError:
-            return read_json(path), path
+            return read_kept(path, key, check), path
         except OSError:                                # a file system without hard links:
             if path.exists():                          # rename (atomic too), unless one won
-                return read_json(path), path
+                return read_kept(path, key, check), path
             os.rename(tmp, path)
         if notify:
             # subtle: a busy spell makes every k-row forward look dear, for good
@@ -216,4 +226,13 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     finally:
         with contextlib.suppress(OSError):
             tmp.unlink()
-    return read_json(path), path
+    return read_kept(path, key, check), path
+
+
+def read_kept(path: Path, key: str, check: Callable[[dict, Path], object]) -> dict:
+    """A kept file's JSON object, if it is one, for `key`, and `check` passes it; else ValueError."""
+    data = read_json(path)
+    if not isinstance(data, dict) or data.get("key", key) != key:
+        raise ValueError(f"{path} was measured for another key")
+    check(data, path)
+    return data

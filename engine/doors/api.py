@@ -22,12 +22,15 @@ from typing import Iterator
 import torch
 
 from engine.decoders import DECODERS
-from engine.doors.session import build, check_compile, check_fits, compile_early_exit, encode, prices, say, wire
-from engine.fast.aot import compile_step
-from engine.generate import Stats, generate
+from engine.doors.session import (build, check_compile, check_device, check_fits, compile_early_exit, default_path, encode, prices,
+                                  say, wire)
+from engine.fast.aot import Compiled, compile_step
+from engine.doors.receipt import receipt
+from engine.generate import Stats, generate, plain
 from engine.llama import Llama
 from engine.load.tokenizer import StreamDecoder, Tokenizer
-from engine.load.weights import default_checkpoint
+from engine.load.config import load_config
+from engine.load.weights import DTYPES, default_checkpoint
 from engine.sampling import Random, Sampler, check_ids
 
 
@@ -36,20 +39,30 @@ class Engine:
     model: Llama
     tokenizer: Tokenizer
     stats: Stats | None = None     # of the last call, filled as its tokens stream
+    path: str = ""                 # the path it runs on, as the CLI's stats line names it
 
     @classmethod
-    def load(cls, checkpoint=None, *, dtype: torch.dtype = torch.float32, device: str = "cpu",
-             int4: bool = False, packed: bool = True, batch_invariant: bool | None = None,
+    def load(cls, checkpoint=None, *, dtype: torch.dtype | None = None, device: str = "cpu",
+             int4: bool | None = None, packed: bool = True, batch_invariant: bool | None = None,
              compile: bool = False) -> Engine:
-        """A checkpoint directory (default: `make weights`' model) loaded as `build` does;
+        """A checkpoint directory (default: `make weights`' model) loaded as `build` does, on the
+        CLI's path for these keywords (unset: the fastest exact path here, session.default_path);
         compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
         if not Path(ckpt).is_dir():
             raise ValueError(f"checkpoint {ckpt} is not a directory")
+        names = {v: k for k, v in DTYPES.items()}
+        if dtype is not None and dtype not in names:
+            raise ValueError(f"dtype {dtype!r}: one of {', '.join(map(str, names))}")
+        path = default_path(load_config(ckpt), str(check_device(device)), names.get(dtype), int4, batch_invariant,
+                            packed)
         if compile:
-            check_compile(int4, batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
-        model = build(ckpt, dtype=dtype, device=device, int4=int4, packed=packed, batch_invariant=batch_invariant)
-        return cls(compile_step(model, say) if compile else model, Tokenizer.load(ckpt))
+            check_compile(path.int4, path.batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
+        model = build(ckpt, dtype=DTYPES[path.dtype], device=device, int4=path.int4, packed=packed,
+                      batch_invariant=path.batch_invariant)
+        model = compile_step(model, say) if compile else model
+        compiled = " compiled" if isinstance(model.__dict__.get("blocks"), Compiled) else ""
+        return cls(model, Tokenizer.load(ckpt), path=path.name + compiled)
 
     def ids(self, prompt: str | list[int]) -> list[int]:
         return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
@@ -87,6 +100,16 @@ class Engine:
                         price=lambda second: (second, prices(self.model, *second)))
         self.stats = Stats()
         return generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
+
+    def receipt(self, prompt: str | list[int], **kw) -> dict:
+        """The CLI's --receipt: this call's tokens (`tokens(prompt, **kw)`) against plain's on
+        the same model, prompt, sampler and seed: {"identical": True, ...}, or the first new
+        token where they part and the top-2 logit gap there (engine/doors/receipt.py)."""
+        got = list(self.tokens(prompt, **kw))
+        same = {k: kw[k] for k in ("temperature", "top_k", "top_p") if k in kw}
+        ref = plain(self.model, self.ids(prompt), sampler=Sampler(**same), rng=Random(kw.get("seed", 0)),
+                    max_new_tokens=len(got))
+        return receipt(self.model, self.ids(prompt), got, ref, self.tokenizer.eos_ids)
 
     def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
         """The answer's text in pieces, each as soon as its bytes are whole UTF-8 (no EOS text);

@@ -23,14 +23,15 @@ from pathlib import Path
 
 import torch
 
-from engine.adapt.cost import load_table, probed
+from engine.adapt.cost import load_table
 from engine.adapt.policy import Prices, pick_draft
-from engine.decoders import AMATEUR_LAYERS, DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
-from engine.doors.session import build, check_compile, check_device, check_fits, encode, prices as api_prices, wire
+from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
+from engine.doors.receipt import line as receipt_line, receipt
+from engine.doors.session import (build, check_compile, check_device, check_fits, default_path, encode, on_exact_path,
+                                  prices as api_prices, wire)
 from engine.draft import SelfDraft, resident_bytes
-from engine.fast.aot import compile_step
-from engine.fast.invariant import row_attention
-from engine.generate import Stats, cut, generate
+from engine.fast.aot import Compiled, compile_step
+from engine.generate import Stats, cut, generate, plain
 from engine.kvcache import ATEN_CAPABILITY
 from engine.load.config import load_config
 from engine.load.tokenizer import StreamDecoder, Tokenizer
@@ -52,7 +53,7 @@ STATS_HELP = "the stats line (stderr; the same fields in --json):\n" + textwrap.
 then whose tokens the run may leave: "near-exact path" (fp32: at a near-tie), "inexact path" (k-row
 forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"; no such note:
 it prints them bit for bit (an exact path, or one-row steps only)
-  --json keys: decoder, text, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
+  --json keys: decoder, text, path (the path it ran on: 4-bit, dtype, compiled) and path_why, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
   accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
   tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
   and law_of (whose tokens, or only whose law, it must print), load_peak_rss_mb,
@@ -81,7 +82,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the position-keyed random source")
     p.add_argument("--checkpoint", help="HF-format checkpoint dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
-    p.add_argument("--dtype", default="float32", choices=DTYPES, help="weights and activations")
+    p.add_argument("--dtype", choices=DTYPES,
+                   help="weights and activations (default: the fastest exact path here, --int4's bfloat16 on a "
+                        "CPU where the model packs in 4-bit groups, else float32 with --batch-invariant; the "
+                        "stats line names it). --dtype float32: HF transformers' tokens")
     p.add_argument("--no-prepack", action="store_true",
                    help="plain nn.Linear on CPU instead of oneDNN-reordered fp32/bf16 weights (slower, k-row "
                         "forwards most)")
@@ -90,16 +94,21 @@ def parser() -> argparse.ArgumentParser:
                         "prints plain's tokens bit for bit where this machine's probe agrees (--json exact_path). "
                         "Default: on for bf16 and --int4 on a CPU (a one-row step costs about the same); off for "
                         "fp32 on a CPU (one-row steps ~9%% slower) and on CUDA (an H200's bf16 plain: 0.63x)")
-    p.add_argument("--int4", action="store_true",
-                   help="layer weights in 4-bit groups (exact for the shipped Q4_1 ones), the LM head in 8-bit "
+    p.add_argument("--int4", action=argparse.BooleanOptionalAction,
+                   help="(the default on a CPU) layer weights in 4-bit groups (exact for the shipped Q4_1 ones), the LM head in 8-bit "
                         "groups (Q8_0) under an AVX-512 dispatch, bf16 activations: "
-                        "about 2x faster one-row steps on CPU, not token-identical to fp32; needs --dtype bfloat16")
+                        "about 2x faster one-row steps on CPU, not token-identical to fp32; bf16 activations")
     p.add_argument("--compile", action="store_true",
                    help="--int4's layer stack compiled ahead of time (engine/fast/aot.py): built once per machine and "
                         "model (1-2 minutes; needs a C++ compiler), kept beside the cost table, loaded in seconds "
                         "after. Every decoder prints the compiled plain's tokens, which may differ from eager "
                         "plain's; where it cannot compile, one note and the eager step")
     p.add_argument("--json", action="store_true", help="print one JSON object instead of text")
+    p.add_argument("--receipt", action="store_true",
+                   help="after the run, replay the prompt through this path's plain decoder (contrastive: its "
+                        "own one-row steps) with the same sampler and seed, and say on stderr whether this "
+                        "run's tokens are its, or the first token where they part and the top-2 logit gap "
+                        "there (--json: key receipt); it costs one more plain run")
     p.add_argument("--trace", action="store_true",
                    help="print what every step did on stderr (see below); the answer then comes at the end")
     p.add_argument("--cost-table", metavar="JSON",
@@ -149,7 +158,7 @@ def models(args, ckpt) -> tuple:
     if d.second.flag == "draft" and spec in ("int4", "auto"):   # int4 where it can be built, else auto self-drafts
         if args.int4 or args.device != "cpu":
             why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself"
-            why += " (drop --int4)" if args.int4 else ""
+            why += " (pass --dtype float32 for an fp32 target)" if args.int4 else ""
         elif spec == "auto" and ATEN_CAPABILITY == "DEFAULT":
             why = ""   # no SIMD: torch's 4-bit kernel is a scalar loop, dearer than the target's fp32
         else:
@@ -205,10 +214,11 @@ def check_flags(args) -> None:
         except UnicodeEncodeError as e:
             raise ValueError(f"{flag} is not valid UTF-8 text (character {e.start}: {text[e.start]!r})") from None
     device(args.device)
-    if args.int4 and (args.dtype != "bfloat16" or args.device != "cpu"):
+    if args.int4 and (args.dtype not in (None, "bfloat16") or args.device != "cpu"):
         raise ValueError("--int4 runs on the CPU with bf16 activations: pass --dtype bfloat16 (and no --device)")
-    if args.compile:
-        check_compile(args.int4, args.batch_invariant, "--compile", "--int4 --dtype bfloat16", "--no-batch-invariant")
+    if args.compile:   # the default path is --int4's where nothing else is asked for (checked again once known)
+        check_compile(args.int4 is not False and args.dtype in (None, "bfloat16") and args.device == "cpu",
+                      args.batch_invariant, "--compile", "--int4 (no --dtype or --device)", "--no-batch-invariant")
     if "" in args.stop:
         raise ValueError("--stop '' would stop before the first token")
     if args.draft_cost is not None and not (math.isfinite(args.draft_cost) and 0.01 <= args.draft_cost <= 100):
@@ -272,6 +282,10 @@ def run(args) -> dict:
         raise ValueError(f"checkpoint {ckpt} is not a directory "
                          "(convert a GGUF with `python -m tools.convert convert`)")
     config = load_config(ckpt)                  # validated before any weight is read
+    path = default_path(config, args.device, args.dtype, args.int4, args.batch_invariant, not args.no_prepack)
+    args.dtype, args.int4, args.batch_invariant = path.dtype, path.int4, path.batch_invariant
+    if args.compile and not args.int4:
+        raise ValueError(f"--compile compiles the exact 4-bit step, and this run's path is {path.name} ({path.why})")
     tok = Tokenizer.load(ckpt)
     if tok.vocab_size > config.vocab_size:   # an id past the embedding would index no row
         raise ValueError(f"{Path(ckpt) / 'config.json'}: vocab_size {config.vocab_size} is smaller "
@@ -322,10 +336,19 @@ def run(args) -> dict:
     # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
     # row-invariant (engine/fast/invariant.py), probed once on this machine (cost.probed)
     # and compiled (--compile), no forward that decides tokens may have run eager after the prompt
-    exact = model.layers[0].attention.attend is row_attention and probed(model) \
-        and not getattr(model.blocks, "eager", 0)
+    exact = on_exact_path(model)
     held_to, law_of = promise(d, given, args.temperature)
-    return {"decoder": args.decoder, "text": text, "exact_path": exact, "held_to": held_to, "law_of": law_of,
+    receipt_ = None
+    if args.receipt:   # the reference: plain, or contrastive's own one-row steps, on this model
+        ref = dict(given, speculative=False) if args.decoder == "contrastive" else None
+        steps = (d.decode(model, *second, prompt, sampler=sampler, rng=Random(args.seed),
+                          max_new_tokens=len(out), **ref) if ref is not None else
+                 plain(model, prompt, sampler=sampler, rng=Random(args.seed), max_new_tokens=len(out)))
+        receipt_ = receipt(model, prompt, out, steps, tok.eos_ids)
+        receipt_["line"] = receipt_line(receipt_, lambda t: "(the end)" if t is None else repr(tok.decode([t])))
+    compiled = " compiled" if isinstance(model.__dict__.get("blocks"), Compiled) else ""
+    return {"decoder": args.decoder, "text": text, "path": path.name + compiled, "path_why": path.why,
+            "exact_path": exact, "held_to": held_to, "law_of": law_of,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,
             "tokens_per_forward": stats.tokens_per_forward, "seconds": seconds,
@@ -335,7 +358,7 @@ def run(args) -> dict:
             "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
-            **second_model(args, second)}
+            **second_model(args, second), **({"receipt": receipt_} if receipt_ else {})}
 
 
 def promise(d: Decoder, given: dict, temperature: float) -> tuple[str | None, str | None]:
@@ -413,6 +436,9 @@ def main(argv: list[str] | None = None) -> int:
         return 2
     if not args.json:
         warn(stats_line(result))
+        if "receipt" in result:
+            tail = f" (rejection sampling keeps {result['law_of']} law, not its tokens)" if result["law_of"] else ""
+            warn(result["receipt"]["line"] + tail)
     for line in result["notes"]:
         warn(f"note: {line}")
     return 0
@@ -440,6 +466,8 @@ def stats_line(r: dict) -> str:
     return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
             f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
+            + (f" | path {r['path']}" + (f" (the default here: {r['path_why']})" if r.get("path_why") else "")
+               if r.get("path") else "")
             + (f" | rejection sampling: {r['law_of']} law, not {r['law_of']} tokens" if r.get("law_of") else "")
             + ("" if r["exact_path"] or not held else
                f" | near-exact path: a near-tie may leave {held} tokens (--batch-invariant on fp32: exact)"

@@ -9,17 +9,19 @@ decoder's steps, with its policy priced by this machine's costs.
 from __future__ import annotations
 
 import sys
-from typing import Callable, Iterator
+from typing import Callable, Iterator, NamedTuple
 
 import torch
 
-from engine.adapt.cost import calibrated, draft_price
+from engine.adapt.cost import calibrated, draft_price, probed
 from engine.adapt.policy import Prices, adaptive as policy_for, four_bit_copy
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.fast.aot import Compiled, compile_step
-from engine.fast.packed import exact_by_default, prepack, quantize_int4
+from engine.fast.invariant import row_attention
+from engine.fast.packed import exact_by_default, packs, prepack, quantize_int4
 from engine.generate import Step
+from engine.kvcache import ATEN_CAPABILITY
 from engine.llama import Llama, LlamaConfig
 from engine.load.tokenizer import Tokenizer
 from engine.load.weights import load_model
@@ -43,6 +45,47 @@ def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu"
     if not packed:
         return model
     return prepack(model, exact_by_default(model) if batch_invariant is None else batch_invariant)
+
+
+class RunPath(NamedTuple):
+    """Which path a run takes: the flags it was given, the unasked ones filled in (`default_path`)."""
+    dtype: str                   # a key of load.weights.DTYPES
+    int4: bool
+    batch_invariant: bool | None
+    why: str = ""                # why the default is not the 4-bit path here ('' when asked for)
+
+    @property
+    def name(self) -> str:
+        """The path in a few words, for the stats line: "int4 bf16", "fp32 batch-invariant", ..."""
+        short = {"float32": "fp32", "bfloat16": "bf16", "float16": "fp16", "float64": "fp64"}[self.dtype]
+        return ("int4 " if self.int4 else "") + short + (" batch-invariant" if self.batch_invariant and not self.int4
+                                                       and short != "bf16" else "")
+
+
+def default_path(config: LlamaConfig, device: str = "cpu", dtype: str | None = None, int4: bool | None = None,
+                 batch_invariant: bool | None = None, packed: bool = True) -> RunPath:
+    """The path asked for, or where the flags leave it open the fastest one that is exact here:
+    --int4 --dtype bfloat16 on a CPU whose kernels have SIMD, for a model whose projections
+    pack in 4-bit groups (exact against its own plain where the kernel probe agrees); else
+    fp32 with --batch-invariant (exact on a CPU and on CUDA; HF's tokens, but for a near-tie).
+    --int4 alone means bf16 activations; a --dtype alone means that dtype, not 4 bits."""
+    if dtype is None and int4 is None:
+        why = (f"a model on {torch.device(device).type}" if torch.device(device).type != "cpu" else
+               "no SIMD in torch's kernel dispatch" if ATEN_CAPABILITY == "DEFAULT" else
+               "" if packs_int4(config) else "projections that do not pack in 4-bit groups of 32")
+        if not why:
+            return RunPath("bfloat16", True, batch_invariant)
+        exact = packed and torch.device(device).type in ("cpu", "cuda")   # where its kernels are
+        return RunPath("float32", False, exact if batch_invariant is None else batch_invariant, why)
+    int4 = bool(int4)
+    return RunPath(dtype or ("bfloat16" if int4 else "float32"), int4, batch_invariant)
+
+
+def packs_int4(c: LlamaConfig) -> bool:
+    """Whether every layer projection of a model so shaped takes torch's 4-bit kernel (packed.packs)."""
+    q, kv = c.n_heads * c.head_dim, c.n_kv_heads * c.head_dim
+    shapes = [(q + 2 * kv, c.dim), (c.dim, q), (2 * c.hidden_dim, c.dim), (c.dim, c.hidden_dim)]
+    return all(packs(torch.empty(o, i, device="meta")) for o, i in shapes)
 
 
 def check_device(name, what: str = "device") -> torch.device:
@@ -127,3 +170,12 @@ def check_compile(int4: bool, batch_invariant: bool | None, flag: str, four_bit:
     (engine/fast/aot.py), so `flag` needs `four_bit` and refuses `inexact`; else a ValueError."""
     if not int4 or batch_invariant is False:
         raise ValueError(f"{flag} compiles the exact 4-bit step: pass {four_bit} (and not {inexact})")
+
+
+def on_exact_path(model: Llama) -> bool:
+    """Whether every decoder on `model` prints its plain's tokens bit for bit: each row of a
+    forward rounds as it would alone (fast.invariant.row_attention, and matmuls that keep rows
+    apart), as this machine's kernel probe agrees (adapt.cost.probed, kept per machine), and,
+    compiled, no forward that decides tokens ran eager since the prompt's."""
+    return model.layers[0].attention.attend is row_attention and probed(model) \
+        and not getattr(model.blocks, "eager", 0)

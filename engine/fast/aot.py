@@ -31,6 +31,7 @@ caught, and one did (SIGSEGV loading a fresh step, torch 2.11 on an Intel Xeon: 
 from __future__ import annotations
 
 import hashlib
+import logging
 import os
 import signal
 import subprocess
@@ -44,7 +45,7 @@ import numpy as np
 import torch
 from torch import Tensor, nn
 
-from engine.fast.artifacts import cache_home, model_key
+from engine.fast.artifacts import cache_home, model_key, sweep
 from engine.fast.invariant import row_attention
 from engine.fast.packed import Int4Linear
 from engine.kvcache import KVCache
@@ -221,22 +222,42 @@ def check(model: Llama) -> None:
 
 def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callable[[str], None]) -> Callable:
     """Layers [start, stop) of `model` (whose key(model) is `ident`), compiled: read back, or
-    built and kept first."""
+    built and kept first. A kept file that does not load (cut short, a disk that filled) or
+    was built for another model or machine (copied by hand) is built anew, once, with a notice."""
     k = f"{start}-{stop}|{ident}"
     folder = cache_home() / "engine" if folder is None else folder
     path = folder / f"step-{hashlib.sha256(k.encode()).hexdigest()[:16]}.pt2"
-    if not path.is_file():
-        # no working compiler: say so now, not after a minute of export and code generation
-        from torch._inductor.cpp_builder import get_cpp_compiler
-        get_cpp_compiler()                          # InvalidCxxCompiler, naming what it tried
-        t0 = time.perf_counter()
-        notify(f"compiling layers {start}-{stop - 1} of the 4-bit step, once on this machine (minutes)")
-        build(model, start, stop, path, k)
-        notify(f"compiled them into {path} in {time.perf_counter() - t0:.0f} s; later runs load it "
-               "(delete it to build anew)")
-    runner = torch._inductor.aoti_load_package(str(path))
+    if path.is_file():
+        try:
+            return read(path, k)
+        except Exception as e:  # noqa: BLE001 -- the loader's own error is the check
+            notify(f"{path} {first_line(e) if isinstance(e, ValueError) else 'does not load'}: building it anew")
+            path.unlink(missing_ok=True)
+    # no working compiler: say so now, not after a minute of export and code generation
+    from torch._inductor.cpp_builder import get_cpp_compiler
+    get_cpp_compiler()                          # InvalidCxxCompiler, naming what it tried
+    t0 = time.perf_counter()
+    notify(f"compiling layers {start}-{stop - 1} of the 4-bit step, once on this machine (minutes)")
+    build(model, start, stop, path, k)
+    notify(f"compiled them into {path} in {time.perf_counter() - t0:.0f} s; later runs load it "
+           "(delete it to build anew)")
+    return read(path, k)
+
+
+def read(path: Path, k: str) -> Callable:
+    """The step kept at `path`, if it was built under key `k`; torch's own log lines (an
+    "outdated pt2 file" warning) are not the user's to read."""
+    quiet = [logging.getLogger(name) for name in ("torch._inductor", "torch._inductor.package.package")]
+    levels = [q.level for q in quiet]
+    try:
+        for q in quiet:
+            q.setLevel(logging.ERROR)
+        runner = torch._inductor.aoti_load_package(str(path))
+    finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
     if runner.get_metadata().get("engine_key") != k:   # a file put there by hand, or a collision
-        raise ValueError(f"{path} was built for another model or machine (delete it to build anew)")
+        raise ValueError("was built for another model or machine")
     return runner
 
 
@@ -254,6 +275,7 @@ def build(model: Llama, start: int, stop: int, path, k: str) -> None:
     shapes = {"x": {1: rows}, "cos": {0: rows}, "sin": {0: rows}, "k": {3: cap}, "v": {3: cap},
               "mask": {0: rows, 1: slots}, "which": {0: rows, 1: rows}, "count": {0: rows}}
     path.parent.mkdir(parents=True, exist_ok=True)
+    sweep(path.parent)                                        # what killed builds left behind
     tmp = path.with_name(f".{path.stem}.{os.getpid()}.pt2")   # the packager wants .pt2
     try:
         for b in model.layers:

@@ -67,3 +67,27 @@ def cpuinfo(field: str) -> str:
             if line.partition(":")[0].strip() == field:
                 return line.partition(":")[2].strip()
     return ""
+
+
+def sweep(folder: Path) -> list[Path]:
+    """Remove the temporary files (`.NAME.PID`, `.NAME.PID.pt2`) that runs killed midway left in
+    `folder`: those whose PID is no live process. What a live run is writing stays."""
+    gone = []
+    with contextlib.suppress(OSError):
+        for f in folder.glob(".*"):
+            pids = [int(p) for p in f.name.split(".") if p.isdigit()]
+            if pids and f.is_file() and not alive(pids[-1]):
+                with contextlib.suppress(OSError):
+                    f.unlink()
+                    gone.append(f)
+    return gone
+
+
+def alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except OSError:        # another user's process, say: it exists
+        return True
+    return True

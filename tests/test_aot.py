@@ -392,8 +392,10 @@ def test_the_api_compiles_as_the_cli_does_and_an_early_exit_gets_its_halves(fast
     from engine.load.tokenizer import Tokenizer
     assert isinstance(Engine.load(tiny_checkpoint, int4=True, dtype=torch.bfloat16, compile=True).model.blocks,
                       aot.Compiled)
-    with pytest.raises(ValueError, match="int4=True"):
-        Engine.load(tiny_checkpoint, compile=True)
+    with pytest.raises(ValueError, match="int4=True"):   # the fp32 path has no compiled step
+        Engine.load(tiny_checkpoint, dtype=torch.float32, compile=True)
+    # and the default path is the 4-bit one here, compiled as asked (its step is kept: loaded)
+    assert Engine.load(tiny_checkpoint, compile=True).path == "int4 bf16 compiled"
     notes = []
     model = aot.compile_step(int4(), notes.append)              # the whole stack only, loaded
     assert notes == [] and set(model.blocks.runners) == {(0, 3)}

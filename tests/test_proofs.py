@@ -68,6 +68,63 @@ def lu_run(N, K):
     return run
 
 
+class LoggedLookahead(policy.Lookahead):
+    """Lookahead's policy, logging each choice into `log`: an arm (W, G), or ("copy", length)."""
+
+    def __init__(self, cost, n, log: set):
+        super().__init__(cost, n)
+        self.log = log
+
+    def choose(self, text, room):
+        c = super().choose(text, room)
+        self.log.add(("copy", len(c.copy)) if c.copy else (c.window, c.guesses))
+        return c
+
+
+class LoggedCopyLength(policy.CopyLength):
+    """Lookup's policy, logging each length it cuts a copy to into `log` (0: a plain step)."""
+
+    def __init__(self, cost, log: set):
+        super().__init__(cost)
+        self.log = log
+
+    def length(self, *args, **kw):
+        k = super().length(*args, **kw)
+        self.log.add(("copy", k))
+        return k
+
+
+def la_adaptive(cost, N):
+    """--decoder lookahead's default: policy.Lookahead(cost, N) chooses each step (W, G <= 5)."""
+    def run(sampler, n, log=None):
+        def make(rng):
+            choice = policy.Lookahead(cost, N) if log is None else LoggedLookahead(cost, N, log)
+            return lookahead.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, ngram=N,
+                                    policy=choice)
+        return make
+    return run
+
+
+def lu_adaptive(cost):
+    """--decoder lookup's default: policy.CopyLength(cost) cuts each copy (lookup_tokens = 8)."""
+    def run(sampler, n, log=None):
+        def make(rng):
+            cut = policy.CopyLength(cost) if log is None else LoggedCopyLength(cost, log)
+            return lookup.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, policy=cut)
+        return make
+    return run
+
+
+# Prices (rows -> cost of a forward, one row = 1) that steer the policies onto every choice within
+# budgets the suite affords; the law must hold under any prices (tests/test_policy.py holds the
+# real ones to their measurements). FREE: every copy pays, and the window arms are tried one a
+# step, cheap to costly, from step 2 of the arms' clock (step 1 is plain: an untried arm is worth
+# 0). STEERED is no machine's table: 2-5 rows dear, so no copy (2-3 rows) pays and W2 G2 (4 rows
+# at N = 2) waits, while W3 G3 (6 rows) and W5 G5 (10) are free: tried at steps 2 and 3.
+FREE = lambda rows: 1.0                                              # noqa: E731
+STEERED = lambda rows: 1.0 if rows == 1 or rows >= 6 else 3.0        # noqa: E731
+
+
 def cd_run(amateur, K=0, form="logit"):
     def run(sampler, n):
         return lambda rng: contrastive.decode(
@@ -116,6 +173,10 @@ ENTRIES = {
     "lookahead W=2 N=3 G=2": (la_run(2, 3, 2), target_law, 3),
     "lookahead W=3 N=2 G=3": (la_run(3, 2, 3), target_law, 3),
     "lookup N=2 K=2": (lu_run(2, 2), target_law, 4),
+    # the adaptive policies the CLI runs by default (COVERS says what each one's walk chooses)
+    "lookahead adaptive N=3, rows free": (la_adaptive(FREE, 3), target_law, 4),
+    "lookahead adaptive N=2, rows free from 6": (la_adaptive(STEERED, 2), target_law, 4),
+    "lookup adaptive copy length, rows free": (lu_adaptive(FREE), target_law, 4),
     "contrastive, separate amateur": (cd_run(DRAFT), cd_law(DRAFT), 3),
     "contrastive ratio form, early exit L=1": (cd_run(1, form="ratio"), cd_law(1, "ratio"), 3),
     "speculative contrastive K=2": (cd_run(DRAFT, K=2), cd_law(DRAFT), 4),
@@ -206,4 +267,144 @@ def test_the_int4_draft_pair_with_a_classic_bug_fails_its_proof(mutant, monkeypa
     monkeypatch.setattr(speculative, "verify_rejection", MUTANTS[mutant][0])
     run, law, n = ENTRIES["speculative int4 draft K=2"]
     sampler = Sampler(1.0)
+    assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4
+
+
+# what each adaptive entry's walk chooses (t = 1, every branch); the choices follow the draws:
+# in the first, a copy wherever the token just drawn occurred before (else an arm, by the arms'
+# clock: plain, then W2 G2); in the second, W5 G5 only on branches whose W3 G3 step accepted
+# no guess. Across the lookahead entries: every arm of policy.ARMS, and copies of 1 and 2 tokens.
+COVERS = {
+    "lookahead adaptive N=3, rows free": {(0, 0), (2, 2), ("copy", 1), ("copy", 2)},
+    "lookahead adaptive N=2, rows free from 6": {(0, 0), (3, 3), (5, 5)},
+    "lookup adaptive copy length, rows free": {("copy", 0), ("copy", 1), ("copy", 2)},
+}
+
+
+@pytest.mark.parametrize("name", COVERS)
+def test_each_adaptive_entrys_walk_takes_the_choices_it_names(name):
+    # Why: a law proven under a policy covers the choices its walk made, no more; prices under
+    # which no window is ever tried, or every copy is one token, would prove the textbook loop
+    # again under a new name. The log comes from the policy itself, wrapped.
+    run, _, n = ENTRIES[name]
+    log = set()
+    decoder_law(run(SAMPLERS["t=1"], n, log), n)
+    assert log == COVERS[name]
+
+
+def test_the_adaptive_entries_take_every_arm_and_copies_of_more_than_one_length():
+    # Why: the claim "lookahead's and lookup's adaptive choices keep the law" is only as wide as
+    # the choices proven; this holds the entries above to all of policy.ARMS and copy lengths.
+    ahead = set().union(*(c for name, c in COVERS.items() if name.startswith("lookahead")))
+    assert set(policy.ARMS) <= ahead
+    assert len({c for c in ahead if c[0] == "copy"}) >= 2
+    assert {("copy", 1), ("copy", 2)} <= COVERS["lookup adaptive copy length, rows free"]
+
+
+class PeekingLookahead(policy.Lookahead):
+    """A broken variant of lookahead's policy: the copy where the uniform of the step's second
+    token, a draw still to come, is below 1/2; else W5 G5."""
+
+    def __init__(self, rng, log):
+        super().__init__(FREE, 3)
+        self.rng, self.log = rng, log
+
+    def choose(self, text, room):
+        c = super().choose(text, room)
+        peek = self.rng.bernoulli(0.5, "token", len(text) + 1)      # a draw still to come
+        self.log.add(peek and bool(c.copy))
+        return c if peek and c.copy else policy.Choice(5, 5, [])
+
+
+class PeekingCopyLength(policy.CopyLength):
+    """The same for lookup: the whole copy where that uniform is below 1/2, else one token."""
+
+    def __init__(self, rng, log):
+        super().__init__(FREE)
+        self.rng, self.log = rng, log
+
+    def length(self, text, proposal, n, beat=1.0, room=None):
+        k = super().length(text, proposal, n, beat, room)
+        peek = self.rng.bernoulli(0.5, "token", len(text) + 1)
+        self.log.add(peek and k > 1)
+        return k if peek else min(k, 1)
+
+
+def peeking_run(decoder):
+    def run(sampler, n, log):
+        if decoder == "lookahead":
+            return lambda rng: lookahead.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, ngram=3,
+                                                policy=PeekingLookahead(rng, log))
+        return lambda rng: lookup.decode(TARGET, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
+                                         policy=PeekingCopyLength(rng, log))
+    return run
+
+
+@pytest.mark.parametrize("decoder", ["lookahead", "lookup"])
+def test_a_match_verified_policy_that_peeks_at_a_draw_to_come_cannot_move_the_law(decoder):
+    # Why: speculative's peeking K breaks its law (above), because rejection sampling's tokens
+    # depend on K. Lookahead and lookup check guesses with verify_match, whose tokens are plain's
+    # own draws (key ("token", position)) whatever was guessed: their policies choose only how
+    # much work a forward does, so even one that reads a draw to come keeps the law. Were these
+    # decoders verified by rejection instead, a choice could move their tokens, and their
+    # policies would need speculative's discipline (choices from past draws only).
+    log, sampler, n = set(), SAMPLERS["t=1.2,top-p=0.9"], 4
+    assert max_gap(decoder_law(peeking_run(decoder)(sampler, n, log), n), target_law(sampler, n)) < TOL
+    assert log == {True, False}      # the peek did steer: some branches copied on it, some not
+
+
+def cut_after_the_draw(verify_match):
+    """A mutant of verify_match: draw first, then send only the guess prefix the draws accept."""
+    def cut(first, rows, candidates, sampler, rng, position):
+        out, _ = verify_match(first, rows, candidates, sampler, rng, position)   # sees the draws
+        m = len(out) - 1
+        return verify_match(first, rows[:, :m], candidates[:, :m], sampler, rng, position)
+    return cut
+
+
+@pytest.mark.parametrize("name", ["lookahead adaptive N=3, rows free", "lookup adaptive copy length, rows free"])
+def test_a_copy_cut_after_its_draw_cannot_move_the_law(name, monkeypatch):
+    # Why: the same reason, in its starkest form: a copy cut to exactly what the draws accept
+    # (no machine can know that before the forward) emits the same tokens, for a match-verified
+    # copy is accepted exactly as far as plain's draws agree with it.
+    module = lookahead if name.startswith("lookahead") else lookup
+    monkeypatch.setattr(module, "verify_match", cut_after_the_draw(module.verify_match))
+    run, law, n = ENTRIES[name]
+    sampler = SAMPLERS["t=1.2,top-p=0.9"]
+    assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) < TOL
+
+
+def bonus_from_the_guess_row(verify_match):
+    """The classic bug in a new place: the token after an accepted guess token drawn from that
+    token's own row (the law at its position), not from the row after it."""
+    def shifted(first, rows, candidates, sampler, rng, position):
+        if rows.shape[1]:          # (G, n, V): row j := row j - 1, row 0 := first
+            rows = torch.cat([first.expand(rows.shape[0], 1, -1), rows[:, :-1]], 1)
+        return verify_match(first, rows, candidates, sampler, rng, position)
+    return shifted
+
+
+def trusted_copy(verify_match):
+    """A copy accepted whole once its first token is drawn (a shortcut that saves draws)."""
+    def trusting(first, rows, candidates, sampler, rng, position):
+        out, best = verify_match(first, rows[:, :1], candidates[:, :1], sampler, rng, position)
+        n = candidates.shape[1]
+        if len(out) == 1 or n == 1:
+            return out, best
+        y = sampler.draw(rows[best, -1], rng, "token", position + n)
+        return candidates[best].tolist() + [y], best
+    return trusting
+
+
+@pytest.mark.parametrize("name,mutant", [(name, "bonus from the guess row") for name in COVERS] +
+                         [("lookahead adaptive N=3, rows free", "copy trusted past its first token"),
+                          ("lookup adaptive copy length, rows free", "copy trusted past its first token")])
+def test_the_adaptive_entries_with_a_broken_verification_fail_their_proof(name, mutant, monkeypatch):
+    # Why: a proof that cannot fail proves nothing; each adaptive entry must catch a bug on the
+    # paths its policy takes (the copies, the wider windows' guesses) within its budget.
+    module = lookahead if name.startswith("lookahead") else lookup
+    wrap = bonus_from_the_guess_row if mutant.startswith("bonus") else trusted_copy
+    monkeypatch.setattr(module, "verify_match", wrap(module.verify_match))
+    run, law, n = ENTRIES[name]
+    sampler = SAMPLERS["t=1.2,top-p=0.9"]
     assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4

@@ -11,6 +11,7 @@ import os
 from pathlib import Path
 
 import pytest
+import torch
 
 try:
     import transformers
@@ -21,7 +22,7 @@ except ImportError:
     pytest.skip("transformers not installed (pip install -r requirements-test.txt)", allow_module_level=True)
 
 from engine.sampling import Sampler
-from tools import prove
+from tools import prove, prove_hf
 
 V, n = 4, 2
 N = 8000       # ~6 s per case; detects TV >= 0.056 (the full 300,000-run table is in docs/proofs.md)
@@ -93,3 +94,84 @@ def test_hf_assisted_generation_end_to_end_passes_at_a_coarse_power(capsys):
     assert v["passed"] and v["detects"] < 0.3
     a, d = prove_hf.target_law(prove_hf.tiny_hf_llama(5, 3), 1.0), prove_hf.target_law(prove_hf.tiny_hf_llama(6, 1), 1.0)
     assert 0.5 * sum(abs(a[k] - d[k]) for k in a) > 0.5
+
+
+# --------------------------------------------------------------------------- --grid
+
+def spy_on_hf_verification(monkeypatch) -> list:
+    """Every call of HF's _speculative_sampling inside generate(): (candidate ids, q logits, p logits)."""
+    import transformers.generation.utils as hf
+    calls, real = [], hf._speculative_sampling
+
+    def spy(ids, q_logits, k, p_logits, **kw):
+        calls.append((ids[0].tolist(), q_logits[0].double(), p_logits[0].double()))
+        return real(ids, q_logits, k, p_logits, **kw)
+    monkeypatch.setattr(hf, "_speculative_sampling", spy)
+    return calls
+
+
+def test_the_grids_target_law_applies_the_processors_hf_applies_to_the_target(monkeypatch):
+    # Why: a grid verdict compares HF's tokens with a law we compute; if our law processed the
+    # target's logits otherwise than HF does (order, top-k ties, top-p's cut), a correct HF
+    # would FAIL, or a wrong one PASS. Here HF's own processed target rows, as its verifier
+    # receives them, are held to ours at every setting of the grid; and its first step drafts 2.
+    calls = spy_on_hf_verification(monkeypatch)
+    target, assistant = prove_hf.pair()
+    at, K = prove_hf.logits_of(target), set()
+    for s in prove_hf.GRID:
+        calls.clear()
+        prove_hf.draws(target, assistant, prove_hf.config(s, prove_hf.GRID_TOKENS), 3, 0)
+        for ids, q, p in calls:
+            k, K = q.shape[0], K | {q.shape[0]}
+            for i in range(k + 1):
+                prefix = tuple(ids[len(prove_hf.PROMPT):len(ids) - k + i])
+                assert (torch.softmax(p[i], -1) - s.probs(at(prefix))).abs().max() < 1e-6, (s, prefix)
+    assert K == {1, 2}     # 2 drafts on the first step; 1 where a rejection left 2 tokens to go
+
+
+def test_the_plants_exact_law_is_the_target_law_where_no_processor_bites():
+    # Why: the plant is the bug class "declared q != sampled q", nothing else: with q' = q its
+    # exact law is the target's at every setting, and with q' = the raw logits too where the
+    # processors change nothing (t = 1, top-k 0 or 50 >= V, top-p 1); elsewhere it plants a TV.
+    target, assistant = prove_hf.pair(plant=True)
+    n, K = prove_hf.GRID_TOKENS, prove_hf.GRID_DRAFTS
+    for s in prove_hf.GRID:
+        want = prove_hf.law(target, s, n)
+        assert prove_hf.tv(prove_hf.assisted_law(target, assistant, s, n, K, "processed"), want) < 1e-12
+        planted = prove_hf.tv(prove_hf.assisted_law(target, assistant, s, n, K, "raw"), want)
+        assert (planted < 1e-12) == (s in (Sampler(1.0), Sampler(1.0, 50))), (s, planted)
+
+
+def test_the_grid_passes_hf_where_temperature_top_k_and_top_p_all_bite():
+    # Why: a setting where every processor changes the law, through the whole generate() path.
+    # A PASS is robust at any N (a false alarm is <= 1e-6 by construction); N = 300 detects TV
+    # >= 0.32 over its 27 outcomes only: the 5,000-run grid is in docs/proofs.md.
+    (v,) = prove_hf.grid(300, samplers=[Sampler(0.8, 3, 0.9)])
+    assert v.passed and v.samples == 300, v
+
+
+def test_the_grid_fails_the_planted_raw_q_assistant_where_top_k_bites():
+    # Why: the grid must catch the bug class transformers had in 2026 (issue #47932: drafters
+    # that sample from the processed logits but return the raw ones as q, lossy under the default
+    # top_k=50). At t = 1, top-k = 2 (of V = 4) the plant's exact law is TV 0.12 from the
+    # target's (0.1225); N = 1,500 detects TV >= 0.1195 with probability >= 0.99 over its 8
+    # outcomes, so it FAILs; the same samples PASS against the plant's own exact law: the FAIL is the declared
+    # q's, not noise or the harness's.
+    s, N = Sampler(1.0, 2), 1500
+    target, assistant = prove_hf.pair(plant=True)
+    planted = prove_hf.assisted_law(target, assistant, s, prove_hf.GRID_TOKENS, prove_hf.GRID_DRAFTS, "raw")
+    tv = prove_hf.tv(planted, prove_hf.law(target, s, prove_hf.GRID_TOKENS))
+    v, samples = prove_hf.setting(target, assistant, s, N, 0, plant=True)
+    assert v.outcomes == 8 and v.detects < 0.1196 < tv, v
+    assert not v.passed and v.p_value < 1e-6 and v.note == f"planted TV {tv:.3f} (exact)", v
+    assert prove.certify_samples("the plant against its own law", samples, planted, V).passed
+
+
+def test_grid_prints_one_row_per_setting_and_says_where_top_k_is_a_no_op(capsys):
+    # Why: the table is the grid's answer: 16 settings, each named, top-k 50 marked as doing
+    # nothing on a vocabulary of 4 (a PASS there says nothing about top-k); --plant needs --grid,
+    # and --grid takes no --temperature of its own (it would be silently ignored).
+    assert prove_hf.main(["--plant"]) == 2 and prove_hf.main(["--grid", "--temperature", "0.8"]) == 2
+    assert prove_hf.main(["--grid", "--samples", "5"]) in (0, 1)
+    rows = [r for r in capsys.readouterr().out.splitlines() if r.startswith("| HF")]
+    assert len(rows) == 16 and sum("top-k=50 (>= V = 4: no-op)" in r for r in rows) == 4

@@ -22,9 +22,9 @@ from typing import Iterator
 import torch
 
 from engine.decoders import DECODERS
-from engine.doors.session import (build, check_compile, check_device, check_fits, compile_early_exit, default_path, encode, prices,
+from engine.doors.session import (build, check_compile, check_device, check_fits, compile_early_exit, default_path, encode, path_name, prices,
                                   say, wire)
-from engine.fast.aot import Compiled, compile_step
+from engine.fast.aot import compile_step
 from engine.doors.receipt import receipt
 from engine.generate import Stats, generate, plain
 from engine.llama import Llama
@@ -61,8 +61,7 @@ class Engine:
         model = build(ckpt, dtype=DTYPES[path.dtype], device=device, int4=path.int4, packed=packed,
                       batch_invariant=path.batch_invariant)
         model = compile_step(model, say) if compile else model
-        compiled = " compiled" if isinstance(model.__dict__.get("blocks"), Compiled) else ""
-        return cls(model, Tokenizer.load(ckpt), path=path.name + compiled)
+        return cls(model, Tokenizer.load(ckpt), path=path_name(path, model))
 
     def ids(self, prompt: str | list[int]) -> list[int]:
         return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)

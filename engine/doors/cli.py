@@ -27,10 +27,10 @@ from engine.adapt.cost import load_table
 from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
-from engine.doors.session import (build, check_compile, check_device, check_fits, default_path, encode, on_exact_path,
+from engine.doors.session import (build, check_compile, check_device, check_fits, default_path, encode, on_exact_path, path_name,
                                   prices as api_prices, wire)
 from engine.draft import SelfDraft, resident_bytes
-from engine.fast.aot import Compiled, compile_step
+from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate, plain
 from engine.kvcache import ATEN_CAPABILITY
 from engine.load.config import load_config
@@ -346,8 +346,7 @@ def run(args) -> dict:
                  plain(model, prompt, sampler=sampler, rng=Random(args.seed), max_new_tokens=len(out)))
         receipt_ = receipt(model, prompt, out, steps, tok.eos_ids)
         receipt_["line"] = receipt_line(receipt_, lambda t: "(the end)" if t is None else repr(tok.decode([t])))
-    compiled = " compiled" if isinstance(model.__dict__.get("blocks"), Compiled) else ""
-    return {"decoder": args.decoder, "text": text, "path": path.name + compiled, "path_why": path.why,
+    return {"decoder": args.decoder, "text": text, "path": path_name(path, model), "path_why": path.why,
             "exact_path": exact, "held_to": held_to, "law_of": law_of,
             "near_exact": not exact and not args.int4 and args.dtype in ("float32", "float64"),
             "tokens": out, "n_tokens": stats.n_tokens, "n_forwards": stats.n_forwards,

@@ -62,6 +62,11 @@ class RunPath(NamedTuple):
                                                        and short != "bf16" else "")
 
 
+def path_name(path: "RunPath", model: Llama) -> str:
+    """The path a loaded model runs on, as the stats line and Engine.path name it."""
+    return path.name + (" compiled" if isinstance(model.__dict__.get("blocks"), Compiled) else "")
+
+
 def default_path(config: LlamaConfig, device: str = "cpu", dtype: str | None = None, int4: bool | None = None,
                  batch_invariant: bool | None = None, packed: bool = True) -> RunPath:
     """The path asked for, or where the flags leave it open the fastest one that is exact here:

@@ -261,17 +261,19 @@ def read_stdin(most: int) -> str:
                          f"at offset {e.start})") from None
 
 
-def bound_knobs(args) -> None:
-    """Clamp lookahead's and the drafts' sizes to what the token budget can use, said once on
-    stderr. A window column or a draft token past the budget can never be accepted, yet each
+def bound_knobs(args) -> list[str]:
+    """Clamp lookahead's and the drafts' sizes to what the token budget can use -> one note per
+    clamp. A window column or a draft token past the budget can never be accepted, yet each
     costs memory: --num-draft 10^9 would try to allocate a cache of 10^9 slots. (A lookahead
     step wider than the model's context is lookahead.decode's to refuse.)"""
+    notes = []
     for name in DECODERS[args.decoder].sizes:
         top = args.max_new_tokens + 1 if name == "ngram" else args.max_new_tokens   # x and N-1 tokens after it
         v = getattr(args, name)
         if v is not None and v > top:
-            warn(f"note: --{name.replace('_', '-')} {v} clamped to {top}, the most the token budget can use")
+            notes.append(f"--{name.replace('_', '-')} {v} clamped to {top}, the most the token budget can use")
             setattr(args, name, top)
+    return notes
 
 
 def run(args) -> dict:
@@ -294,10 +296,13 @@ def run(args) -> dict:
     text = args.prompt if args.prompt is not None else read_stdin(4 * tok.max_text_chars)
     prompt = encode(tok, text, args.raw)        # --raw: control tokens on purpose; see --help
     check_fits(len(prompt), args.max_new_tokens, config, "--max-new-tokens")
-    bound_knobs(args)
+    # subtle: the clamps are said with the run's other notes, after it: checks still to come (the
+    # cost table, --draft, the decoder's own knobs) may refuse the run, and a note ahead of the
+    # error line would read as if the run went on
+    clamps = bound_knobs(args)
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
-    second, notes = models(args, ckpt), []    # a bad --draft or --amateur fails before measuring
+    second, notes = models(args, ckpt), clamps    # a bad --draft or --amateur fails before measuring
     if args.compile:   # built once per machine and model (said as it goes), then loaded
         early = second[0] if second and isinstance(second[0], (int, SelfDraft)) else None
         model = compile_step(model, lambda line: warn(f"note: {line}"),

@@ -302,6 +302,26 @@ def test_a_killed_runs_half_written_table_is_swept_and_a_live_ones_kept(tmp_path
     assert not (tmp_path / f".cost-gh.json.{dead}").exists() and mine.exists()
 
 
+def test_a_stale_temporary_is_swept_by_a_run_that_measures_nothing_even_under_a_live_pid(tmp_path):
+    # Why: PIDs come back (a container's runs often get the same few), so a killed run's
+    # `.cost-*.json.PID` may name a live process and the PID rule alone keeps it for good; and
+    # most runs read every price back, so one that measures nothing must sweep too. Broken
+    # variants run: without the age rule the old file stays; sweeping only before a
+    # measurement (as before) leaves both planted files
+    import subprocess
+    import sys
+    cost.kept("k", lambda: {"x": 1}, tmp_path, None)                  # kept: later runs read it back
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True,
+                          text=True).stdout.strip()
+    killed = tmp_path / f".cost-ab.json.{dead}"
+    old, fresh = tmp_path / ".cost-cd.json.1", tmp_path / ".cost-ef.json.1"   # PID 1 is always alive
+    for f in (killed, old, fresh):
+        f.write_text("{")
+    os.utime(old, (time.time() - cost.STALE_SECONDS - 60,) * 2)
+    assert cost.kept("k", lambda: pytest.fail("measured again"), tmp_path, None)[0]["x"] == 1
+    assert not killed.exists() and not old.exists() and fresh.exists()
+
+
 def test_the_sweep_test_sees_a_sweep_that_takes_a_live_runs_file(tmp_path, monkeypatch):
     # the broken variant: every temporary file taken, the live run's too
     from engine.fast import artifacts

@@ -33,6 +33,8 @@ from engine.kvcache import KVCache
 from engine.llama import Llama
 
 MAX_TABLE_BYTES = 1 << 20   # a forward-cost JSON of every k up to 4096 is ~0.3 MB
+# s: a price temporary this old is no live run's (a measurement takes seconds), whatever its PID
+STALE_SECONDS = 3600
 
 
 def load_table(path: str | Path) -> dict[int, float]:
@@ -192,6 +194,7 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     """
     folder = folder or cache_home() / "engine"
     path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    sweep_stale(folder)               # every run, not only one that measures: most read all back
     if path.is_file():
         try:
             return read_kept(path, key, check), path
@@ -203,7 +206,6 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         folder.mkdir(parents=True, exist_ok=True)
-        sweep(folder)                                  # what killed runs left half-written
         with open(tmp, "wb") as f:                     # opened first: a read-only home measures nothing
             f.write(json.dumps({"key": key, **measure()}).encode())   # seconds, once per machine
         try:
@@ -227,6 +229,20 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
         with contextlib.suppress(OSError):
             tmp.unlink()
     return read_kept(path, key, check), path
+
+
+def sweep_stale(folder: Path) -> None:
+    """What killed runs left half-written in `folder`: artifacts.sweep (a temporary whose PID is no
+    live process), and a price temporary (`.cost-*.json.PID`) older than STALE_SECONDS.
+
+    subtle: PIDs come back (a container's runs often get the same few), so a killed run's file
+    may name a live process; by the PID alone it would then be kept for good."""
+    sweep(folder)
+    with contextlib.suppress(OSError):
+        for f in folder.glob(".cost-*.json.*"):
+            with contextlib.suppress(OSError):
+                if f.is_file() and time.time() - f.stat().st_mtime > STALE_SECONDS:
+                    f.unlink()
 
 
 def read_kept(path: Path, key: str, check: Callable[[dict, Path], object]) -> dict:

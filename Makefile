@@ -62,7 +62,9 @@ test-cuda: weights
 
 # Every decoder against plain on the shipped prompt sets (bench-out/: table, JSON, plot), then
 # the k-row forward cost against nn.Linear, the roof, peak memory (bench-out/forward-cost.*),
-# then where a plain step's time goes (bench-out/split.*). COMPILE=1 adds plain, lookahead,
+# then where a plain step's time goes (bench-out/split.*), where a k-row forward's goes on the
+# 4-bit path eager and compiled (split-rows.*), and the 4-bit matmul's candidates (kernels.*).
+# COMPILE=1 adds plain, lookahead,
 # lookup and speculative (a 20-layer self-draft) on the exact 4-bit path compiled ahead of time
 # (engine/fast/aot.py: built once per machine, minutes).
 # LLAMA_CPP=path/to/llama-completion adds llama.cpp's plain greedy on the same GGUF to the first table.
@@ -70,6 +72,8 @@ bench: weights
 	$(PY) -m tools.bench $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP)) $(if $(COMPILE),--compile)
 	$(PY) -m tools.bench --forward-cost --naive --roof --memory --repeats 5
 	$(PY) -m tools.split
+	$(PY) -m tools.split --rows
+	$(PY) -m tools.kernels $(if $(COMPILE),--compile)
 
 # llama.cpp for `make bench LLAMA_CPP=...`, built here from the source tree the pinned sdist of
 # llama-cpp-python vendors (checked by sha256; llama.cpp 0c1e57098, named by hand: the sdist has

@@ -38,3 +38,15 @@ def test_bad_flags_exit_2(capsys):
     with pytest.raises(SystemExit) as e:
         main(["--steps", "0"])
     assert e.value.code == 2 and "error:" in capsys.readouterr().err
+
+
+def test_a_k_row_split_leaves_the_cache_as_it_found_it_and_times_every_kind():
+    # why: --rows times the same k-row forward again and again; a cache that grew between calls
+    # would time a longer and longer context (and finally overflow), and a kind left out of
+    # `rest`'s subtraction would bill its time twice
+    from engine.fast.packed import prepack
+    from tools.split import ROW_COLUMNS, row_split
+    model = prepack(tiny_llama(0, vocab=64).float())
+    r = row_split(model, 4, context=8, repeats=2)
+    assert set(r) == {"forward", *ROW_COLUMNS} and all(r[k] > 0 for k in ROW_COLUMNS[:-2])
+    assert r["rest"] == pytest.approx(max(r["forward"] - sum(r[k] for k in ROW_COLUMNS[:-1]), 0), abs=2e-3)

@@ -1,0 +1,24 @@
+"""tools/kernels.py: the 4-bit path's matmul candidates at k rows."""
+import torch
+
+from tools.kernels import ROWS, int8_qlinear
+
+
+def test_the_int8_candidate_gives_every_row_its_one_row_bits_by_construction():
+    # why: the int8 candidate is the one argued exact on any CPU (integer sums are exact in any
+    # order, each row quantized by its own scale); broken variant: one scale for the whole call
+    # (per-tensor dynamic quantization, the common recipe) makes a row's bits depend on the others
+    torch.manual_seed(0)
+    w, x = torch.randn(64, 96) * 0.02, torch.randn(max(ROWS), 96)
+    x[3] *= 50                                                   # an outlier row
+    mm = int8_qlinear(w)
+    alone = torch.cat([mm(x[i:i + 1]) for i in range(len(x))])
+    assert all(torch.equal(mm(x[:k]), alone[:k]) for k in ROWS)
+    rel = (mm(x) - x @ w.t()).norm() / (x @ w.t()).norm()
+    assert rel < 0.02                                            # and it is still the matmul
+
+    def shared_scale(x):                                         # the broken variant
+        a = x.abs().amax() / 127
+        return (torch.round(x / a) @ torch.round(w.t() / (w.abs().amax(1) / 127))) * a * (w.abs().amax(1) / 127)
+    alone = torch.cat([shared_scale(x[i:i + 1]) for i in range(len(x))])
+    assert not torch.equal(shared_scale(x), alone)

@@ -845,6 +845,8 @@ import itertools, os, sys, time
 def exits(p, q, drafts): sys.exit(0)
 def hard_exit(p, q, drafts): os._exit(0)
 def hangs(p, q, drafts): time.sleep(3600)
+def interrupts(p, q, drafts): raise KeyboardInterrupt
+def slow(p, q, drafts): time.sleep(0.05); return [0]
 def hog(p, q, drafts): return [0] * 10**12
 def endless(p, q, drafts): return itertools.count()
 CONSTANT = 3
@@ -927,6 +929,38 @@ def test_a_sampler_that_prevents_a_verdict_is_exit_3_with_the_reason(samplers, c
     (spec, *rest), words = PROVE_NO_VERDICT_CASES[case]
     argv = [str(samplers / spec), "--mode", "stat", "--samples", "100", *rest]
     assert words in one_error_line(prove_main, argv, capsys, code=3, seconds=20)
+
+
+def test_a_sampler_that_raises_keyboard_interrupt_is_one_line_and_no_child_traceback(samplers, capfd):
+    # Why: KeyboardInterrupt is no Exception, so it left the child's code and multiprocessing
+    # printed "Process ForkProcess-1:" and a traceback above the error line (the child writes
+    # to fd 2: capfd sees it). No verdict, as for sys.exit: exit 3. Broken variant run: without
+    # child_main's BaseException clause the traceback is back
+    argv = [str(samplers / "samplers.py:interrupts"), "--mode", "stat", "--samples", "10"]
+    line = one_error_line(prove_main, argv, capfd, code=3, alone=True)
+    assert "raised KeyboardInterrupt" in line
+
+
+def test_a_first_call_that_does_not_return_is_said_once_before_the_limit(samplers, capsys, monkeypatch):
+    # Why: a hung sampler was silent until --time-limit (an hour by default then); after NOTICE
+    # s (10, 0.3 here) one note says the first call is not back. Broken variant run: no note
+    from tools import prove
+    monkeypatch.setattr(prove, "NOTICE", 0.3)
+    argv = [str(samplers / "samplers.py:hangs"), "--mode", "stat", "--samples", "10", "--time-limit", "2"]
+    assert prove_main(argv) == 3
+    err = capsys.readouterr().err.splitlines()
+    assert len(err) == 2 and err[1].startswith("error: no verdict within --time-limit 2 s"), err
+    assert err[0].startswith("note: ") and "first call has not returned after 0.3 s; still waiting" in err[0]
+
+
+def test_a_sampler_whose_calls_return_gets_no_first_call_note(samplers, capsys, monkeypatch):
+    # the counterpart: a run longer than NOTICE whose calls come back is not called stuck
+    # (broken variant run: a note at NOTICE whatever the child said prints it here)
+    from tools import prove
+    monkeypatch.setattr(prove, "NOTICE", 0.3)
+    t0 = time.monotonic()
+    assert prove_main([str(samplers / "samplers.py:slow"), "--mode", "stat", "--samples", "8"]) in (0, 1)
+    assert time.monotonic() - t0 > 0.6 and "first call" not in capsys.readouterr().err
 
 
 def test_without_the_child_process_a_sampler_exit_would_end_the_tool_with_0(samplers):

@@ -24,14 +24,18 @@ decoders. A speculative verifier (Leviathan et al. 2023, arXiv 2211.17192; Chen 
 arXiv 2302.01318) is driven by a loop that drafts K tokens from q, asks the verifier, and
 appends what it returns, until n tokens are out.
 
-The command line certifies each sampler in a child process under --time-limit: a sampler that
-exits the process, hangs or eats the machine cannot pass for a verdict. Exit codes: 0 every
-sampler PASSed; 1 a FAIL was reached; 2 bad input, or a run refused before it started (its
-first runs project past --time-limit); 3 no verdict (the sampler ended the process, or ran
-past the limit). Only 0 and 1 come with a verdict table.
+The command line certifies each sampler in a child process under --time-limit (600 s by
+default): a sampler that exits the process, raises KeyboardInterrupt, hangs or eats the machine
+cannot pass for a verdict, and one whose first call is not back after NOTICE s is said on
+stderr. Exit codes: 0 every sampler PASSed; 1 a FAIL was reached; 2 bad input, or a run refused
+before it started (its first runs project past --time-limit); 3 no verdict (the sampler ended
+the process or raised KeyboardInterrupt, or ran past the limit). Only 0 and 1 come with a
+verdict table.
 """
 from __future__ import annotations
 
+import contextlib
+import functools
 import importlib
 import importlib.util
 import inspect
@@ -60,7 +64,9 @@ MAX_SAMPLES = 10**7     # stat: N = 10^7 detects TV >= 0.0016 over 16 outcomes (
                         # past it the Python loop (~0.6 ms a run here) takes days, the samples GBs
 MAX_DRAFT = 64          # K: one verifier call drafts K tokens before the pilot can time anything
 MAX_OUTCOMES = 4096     # V^n: the exact walk and the bincount are over V^n outcomes
-TIME_LIMIT = 3600.0     # s per sampler (--time-limit); a stat run projected past it is refused
+TIME_LIMIT = 600.0      # s per sampler (--time-limit): an interactive wait; a stat run projected past it
+                        # is refused, and a long certification asks for more
+NOTICE = 10.0           # s: a sampler's first call still running then is said on stderr (a hang is silent)
 PILOT = 50              # stat runs timed before the rest are projected (and refused or stated)
 MEMORY = 8 << 30        # bytes a certification may add (RLIMIT_AS in its child), or half of free
 
@@ -325,11 +331,14 @@ def white_box(f: Callable) -> bool:
 
 
 def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: int, seed: int,
-            limit: float | None = None) -> Verdict:
+            limit: float | None = None, returned: Callable[[], None] = lambda: None) -> Verdict:
     """One sampler by name: engine-*, hf-speculative, planted:TV[:mode|uniform], module:function.
-    `limit` (s): a stat run whose first runs project past it is Refused."""
+    `limit` (s): a stat run whose first runs project past it is Refused. `returned()` is called
+    once the sampler's first call has returned (at once for the tool's own samplers)."""
     target, draft, prompt = TableLM(11, V, sampler), TableLM(22, V, sampler), ()
     law = reference_law(lambda pre: target(tuple(prompt) + pre), n)
+    if spec.startswith("planted:") or spec.startswith("engine-") and spec != "engine-rejection":
+        returned()   # the tool's own code: no stranger's call to wait on
     if spec.startswith("planted:"):
         sample = planted(law, *planted_spec(spec), V, n)
         return certify_samples(spec, sample(N, seed), law, V)
@@ -347,6 +356,7 @@ def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: i
         raise ValueError(f"{spec}: --mode exact needs verify(p, q, drafts, rng, position) drawing through rng")
     if spec == "hf-speculative" and K < 1:
         raise ValueError("hf-speculative needs --draft-len >= 1 (it slices the last K ids)")
+    f = first_return(f, returned)
     try:   # from here on an exception is the sampler's failure, not bad input
         if mode == "exact":
             return certify_exact(spec, spec_run(f, target, draft, K, prompt), law, n)
@@ -360,6 +370,21 @@ def certify(spec: str, mode: str, V: int, n: int, K: int, sampler: Sampler, N: i
     except Exception as e:  # noqa: BLE001
         return Verdict(spec, mode, False, float("nan"), float("nan"), None, None, 0, None,
                        f"the sampler raised {type(e).__name__}: {e}")
+
+
+def first_return(f: Callable, returned: Callable[[], None]) -> Callable:
+    """f, calling returned() once, after its first call has returned (white_box still reads
+    f's signature through functools.wraps)."""
+    said = []
+
+    @functools.wraps(f)
+    def call(*args):
+        out = f(*args)
+        if not said:
+            said.append(True)
+            returned()
+        return out
+    return call
 
 
 def planted_spec(spec: str) -> tuple[float, str]:
@@ -454,8 +479,9 @@ def main(argv=None) -> int:
     ap.add_argument("--top-p", type=float, default=1.0, help="default 1 (off)")
     ap.add_argument("--seed", type=int, default=0, help="in [0, 2^32), default 0")
     ap.add_argument("--time-limit", type=float, default=TIME_LIMIT, metavar="S",
-                    help="seconds per sampler: a stat run projected past it is refused before the "
-                         "rest runs; any certification still running at S is stopped (exit 3)")
+                    help=f"seconds per sampler (default {TIME_LIMIT:g}): a stat run projected past it is "
+                         "refused before the rest runs; any certification still running at S is stopped "
+                         f"(exit 3); a first sampler call still running after {NOTICE:g} s is said on stderr")
     ap.add_argument("--json", action="store_true", help="one JSON list of verdicts instead of the table")
     a = ap.parse_args(argv)
     if a.tokens is None:   # K + 1, or as many as V^n <= MAX_OUTCOMES allows
@@ -476,8 +502,9 @@ def main(argv=None) -> int:
     verdicts = []
     for s in a.samplers:
         try:
-            kind, got = isolated(lambda: certify(s, a.mode, a.vocab, a.tokens, a.draft_len, sampler,
-                                                 a.samples, a.seed, a.time_limit), a.time_limit)
+            kind, got = isolated(lambda returned: certify(s, a.mode, a.vocab, a.tokens, a.draft_len, sampler,
+                                                          a.samples, a.seed, a.time_limit, returned),
+                                 a.time_limit, s)
         except KeyboardInterrupt:   # the child is gone (isolated's finally); so is every verdict
             return 130
         if kind != "verdict":   # no table at all: a partial one could pass for the whole answer
@@ -505,9 +532,11 @@ def check_args(a) -> None:
         raise ValueError(f"--time-limit must be in [1, 604800] seconds, got {a.time_limit:g}")
 
 
-def isolated(work: Callable[[], Verdict], limit: float) -> tuple[str, object]:
-    """work() in a forked child under a time and memory limit -> ("verdict", Verdict),
-    ("error", why: bad input or Refused) or ("none", why no verdict was reached).
+def isolated(work: Callable[[Callable[[], None]], Verdict], limit: float, name: str = "the sampler"
+             ) -> tuple[str, object]:
+    """work(returned) in a forked child under a time and memory limit -> ("verdict", Verdict),
+    ("error", why: bad input or Refused) or ("none", why no verdict was reached). work calls
+    returned() once the sampler's first call is back; until then, past NOTICE s, a note says so.
 
     A sampler is someone else's code: it may call sys.exit(0) or os._exit(0), loop forever or
     allocate without bound. Only a Verdict sent back through the pipe is a verdict.
@@ -518,9 +547,7 @@ def isolated(work: Callable[[], Verdict], limit: float) -> tuple[str, object]:
     child.start()
     send.close()
     try:
-        if not recv.poll(limit):   # subtle: poll is also True at EOF, when the child died
-            return "none", f"no verdict within --time-limit {limit:g} s: the certification was stopped"
-        return recv.recv()
+        return answer_within(recv, limit, name)
     except EOFError:
         child.join(5)
         return "none", (f"no verdict: the sampler's process ended (exit code {child.exitcode}) "
@@ -531,17 +558,42 @@ def isolated(work: Callable[[], Verdict], limit: float) -> tuple[str, object]:
         child.join()
 
 
+def answer_within(recv, limit: float, name: str) -> tuple[str, object]:
+    """The child's message within `limit` s, past its ("returned", None); one note on stderr if
+    the sampler's first call is not back after NOTICE s, since a hang is otherwise silent until
+    the limit. EOFError: the child died."""
+    start, noted, back = time.monotonic(), limit <= NOTICE, False   # a limit that near needs no note
+    while True:
+        left = limit - (time.monotonic() - start)
+        wait = left if noted or back else min(left, NOTICE - (time.monotonic() - start))
+        if recv.poll(max(wait, 0)):   # subtle: poll is also True at EOF, when the child died
+            kind, got = recv.recv()
+            if kind != "returned":
+                return kind, got
+            back = True
+        elif time.monotonic() - start >= limit:
+            return "none", f"no verdict within --time-limit {limit:g} s: the certification was stopped"
+        elif not (noted or back):
+            noted = True
+            print(f"note: {name}: the sampler's first call has not returned after {NOTICE:g} s; still "
+                  f"waiting (--time-limit {limit:g} s)", file=sys.stderr, flush=True)
+
+
 def child_main(send, work) -> None:
-    limit_memory()
     try:
-        message = "verdict", work()
+        limit_memory()
+        message = "verdict", work(lambda: send.send(("returned", None)))
     except (ValueError, Refused) as e:
         message = "error", str(e)
     except SystemExit as e:   # the sampler called sys.exit() while running
         message = "none", f"no verdict: the sampler called sys.exit({e.code!r})"
     except MemoryError:
         message = "none", "no verdict: out of the memory a certification may use (RLIMIT_AS)"
-    send.send(message)
+    except BaseException as e:  # noqa: BLE001  KeyboardInterrupt, say: else multiprocessing prints
+        # its traceback. A real Ctrl-C reaches the parent too, which leaves with 130 and kills us
+        message = "none", f"no verdict: the sampler raised {type(e).__name__}"
+    with contextlib.suppress(OSError):   # the parent may be gone (Ctrl-C)
+        send.send(message)
 
 
 def limit_memory() -> None:

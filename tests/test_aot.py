@@ -405,3 +405,24 @@ def test_the_api_compiles_as_the_cli_does_and_an_early_exit_gets_its_halves(fast
     got = list(llm.tokens(prompt, max_new_tokens=12, decoder="speculative", second=2, adaptive=False,
                           num_draft=2))
     assert got == want and model.blocks.eager == 0 and set(model.blocks.runners) == {(0, 3), (0, 2), (2, 3)}
+
+
+def test_a_kept_step_loads_and_runs_without_importing_inductor_or_dynamo(tiny_checkpoint, folder):
+    # why: a run that only loads its step must not pay for the compiler: importing torch._inductor
+    # (and the dynamo it imports) was ~1.4 s of a ~3.7 s one-token run on 2 cores, and its loader
+    # probed the CPU's ISA with gcc for ~1.2 s more. Broken variant run: aot.read through
+    # torch._inductor.aoti_load_package (as before) fails this test
+    import os
+    import subprocess
+    import sys
+    from engine.doors.cli import main
+    argv = ["--checkpoint", str(tiny_checkpoint), "--int4", "--dtype", "bfloat16", "--compile",
+            "--prompt", "hi", "--max-new-tokens", "2"]
+    assert main(argv) == 0                                         # built here, if not before
+    code = ("import sys; from engine.doors.cli import main; rc = main(sys.argv[1:]); "
+            "assert rc == 0, rc; loaded = [m for m in ('torch._inductor', 'torch._dynamo') if m in sys.modules]; "
+            "assert not loaded, loaded")
+    r = subprocess.run([sys.executable, "-c", code, *argv], capture_output=True, text=True,
+                       env={**os.environ, "PYTHONPATH": os.getcwd(), "OMP_NUM_THREADS": str(torch.get_num_threads())},
+                       timeout=300)   # subtle: the same threads, or the key (which holds them) is another step's
+    assert r.returncode == 0 and "compiled" in r.stderr and "compiling" not in r.stderr, r.stderr[-800:]

@@ -542,6 +542,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
                    help="weight bytes / memory bandwidth, and plain greedy decode tok/s against it")
     p.add_argument("--host", action="store_true",
                    help="ms per decode step inside the model's forwards and outside them (host work)")
+    p.add_argument("--startup", action="store_true",
+                   help="seconds from a fresh process to a one-token answer (import torch; the CLI, eager and --compile)")
     p.add_argument("--memory", action="store_true",
                    help="peak resident memory of each decoder, each run in a fresh process")
     p.add_argument("--naive", action="store_true",
@@ -700,6 +702,30 @@ def run(args: argparse.Namespace) -> dict:
     return result
 
 
+def startup(checkpoint: Path, repeats: int) -> dict:
+    """Seconds of wall time, fresh processes, median of `repeats` after one that primes what runs
+    keep (the prepared 4-bit weights, the compiled step): `import torch` alone (the floor), then
+    `python -m engine.run --prompt Hi --max-new-tokens 1` on the default path, eager and --compile."""
+    import subprocess
+    root = Path(__file__).resolve().parents[1]
+    one = [sys.executable, "-m", "engine.run", "--checkpoint", str(checkpoint), "--prompt", "Hi", "--max-new-tokens", "1"]
+    commands = {"import torch": [sys.executable, "-c", "import torch"], "engine.run": one,
+                "engine.run --compile": one + ["--compile"]}
+    out = {}
+    for name, cmd in commands.items():
+        walls = []
+        for r in range(repeats + 1):
+            progress(f"startup: {name} [{r + 1}/{repeats + 1}]")
+            t0 = time.perf_counter()
+            done = subprocess.run(cmd, cwd=root, capture_output=True, text=True)
+            if done.returncode:
+                raise ValueError(f"{' '.join(cmd[1:])} failed: {(done.stderr.strip().splitlines() or ['?'])[-1]}")
+            walls.append(time.perf_counter() - t0)
+        out[name] = {"s": round(statistics.median(walls[1:]), 2), "min_s": round(min(walls[1:]), 2),
+                     "first_s": round(walls[0], 2)}
+    return out
+
+
 def print_table(result: dict, out: Path) -> None:
     print(f"machine: {describe(result['machine'])}")
     print(f"device {result['device']}, {result['dtype']}, {result['threads']} threads, "
@@ -746,6 +772,14 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     try:
         check_model(args)
+        if args.startup:
+            result = {"machine": machine("cpu"), "startup": startup(args.checkpoint, args.repeats)}
+            write_atomic(out_dir(args.out) / "startup.json", json.dumps(result, indent=1).encode())
+            print(f"machine: {describe(result['machine'])}\n| command | s (median) | min s | first run s |\n|---|---|---|---|")
+            for name, r in result["startup"].items():
+                print(f"| {name} | {r['s']} | {r['min_s']} | {r['first_s']} |")
+            print(f"written: {args.out}/startup.json")
+            return 0
         result = run(args)
     except (OSError, ValueError) as e:   # OSError: a checkpoint file that cannot be read, too
         print(f"tools.bench: error: {e}", file=sys.stderr)

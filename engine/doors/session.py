@@ -19,7 +19,8 @@ from engine.decoders import DECODERS
 from engine.draft import SelfDraft
 from engine.fast.aot import Compiled, compile_step
 from engine.fast.invariant import row_attention
-from engine.fast.packed import exact_by_default, packs, prepack, quantize_int4
+from engine.fast.packed import exact_by_default, packs, prepack
+from engine.fast.prepared import int4_model
 from engine.generate import Step
 from engine.kvcache import ATEN_CAPABILITY
 from engine.llama import Llama, LlamaConfig
@@ -29,17 +30,21 @@ from engine.sampling import Random, Sampler
 
 
 def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu", int4: bool = False,
-          packed: bool = True, batch_invariant: bool | None = None) -> Llama:
+          packed: bool = True, batch_invariant: bool | None = None,
+          notify: Callable[[str], None] = lambda m: print(f"note: {m}", file=sys.stderr)) -> Llama:
     """The model as the CLI loads it: on `device` (cpu, cuda[:N]) in `dtype`; int4: --int4, the
     layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
     the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU or CUDA),
     every decoder's tokens plain's bit for bit (fp32, bf16, int4); None, as the CLI: on where
-    it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default)."""
+    it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default); notify:
+    where a kept 4-bit file was bad and is prepared anew (engine/fast/prepared.py)."""
     device = check_device(device)
     if batch_invariant and not packed:   # as the CLI refuses --batch-invariant --no-prepack
         raise ValueError("batch_invariant sets the packed path's kernels: it has no effect with packed=False")
-    if int4:   # quantized from the fp32 weights, so that Q4_1 grids come back exactly
-        model = quantize_int4(load_model(checkpoint, device, torch.float32))
+    if int4:   # quantized from the fp32 weights (Q4_1 grids come back exactly), kept on disk
+        if torch.device(device).type != "cpu":
+            raise ValueError(f"int4 quantizes a float32 CPU model, got one on {device}")
+        model = int4_model(checkpoint, notify)
     else:
         model = load_model(checkpoint, device, dtype)
     if not packed:

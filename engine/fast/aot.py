@@ -31,7 +31,6 @@ caught, and one did (SIGSEGV loading a fresh step, torch 2.11 on an Intel Xeon: 
 from __future__ import annotations
 
 import hashlib
-import logging
 import os
 import signal
 import subprocess
@@ -245,20 +244,29 @@ def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callab
 
 
 def read(path: Path, k: str) -> Callable:
-    """The step kept at `path`, if it was built under key `k`; torch's own log lines (an
-    "outdated pt2 file" warning) are not the user's to read."""
-    quiet = [logging.getLogger(name) for name in ("torch._inductor", "torch._inductor.package.package")]
-    levels = [q.level for q in quiet]
-    try:
-        for q in quiet:
-            q.setLevel(logging.ERROR)
-        runner = torch._inductor.aoti_load_package(str(path))
-    finally:
-        for q, level in zip(quiet, levels):
-            q.setLevel(level)
+    """The step kept at `path`, if it was built under key `k`."""
+    runner = Runner(path)
     if runner.get_metadata().get("engine_key") != k:   # a file put there by hand, or a collision
         raise ValueError("was built for another model or machine")
     return runner
+
+
+class Runner:
+    """A kept step, run by torch's C++ package loader alone: tensors in, tensors out.
+
+    subtle: torch._inductor.aoti_load_package wraps this loader, but importing its module
+    imports inductor and dynamo (~1.4 s of a ~3.7 s start), and it names this CPU's vector ISA by
+    building a probe library per ISA with gcc (~1.2 s more) only to warn on a mismatch, which
+    the key rules out (it holds the CPU and dispatch); its warnings went to the user raw too."""
+
+    def __init__(self, path: Path):
+        self.loader = torch._C._aoti.AOTIModelPackageLoader(str(path), "model", False, 1, -1)
+
+    def __call__(self, *tensors: Tensor) -> list[Tensor]:
+        return self.loader.boxed_run(list(tensors))     # Stack's inputs and outputs, flat, in order
+
+    def get_metadata(self) -> dict[str, str]:
+        return self.loader.get_metadata()
 
 
 def build(model: Llama, start: int, stop: int, path, k: str) -> None:
@@ -294,8 +302,8 @@ def build(model: Llama, start: int, stop: int, path, k: str) -> None:
 
 
 # a fresh process, as a later run's: load the step, run it once on the sample
-TRIAL = ("import sys, torch; "
-         "torch._inductor.aoti_load_package(sys.argv[1])(*torch.load(sys.argv[2]))")
+TRIAL = ("import sys, torch; from engine.fast.aot import Runner; "
+         "Runner(sys.argv[1])(*torch.load(sys.argv[2]))")
 
 
 def trial(path: Path, args: tuple) -> None:

@@ -96,6 +96,17 @@ class Int4Linear(nn.Module):
         zeros = torch.stack([d, m + 8 * d], dim=-1)                    # (out, in/group, 2)
         self.register_buffer("scales", zeros.transpose(0, 1).contiguous().bfloat16())
 
+    @classmethod
+    def empty(cls, out: int, n: int, group: int = 32) -> Int4Linear:
+        """One with the buffers' shapes and nothing in them (on the current device: meta, for a
+        model whose tensors are assigned from a file, engine/fast/prepared.py)."""
+        self = cls.__new__(cls)
+        nn.Module.__init__(self)
+        self.out_features, self.in_features, self.group = out, n, group       # the kernel's columns
+        self.register_buffer("packed", torch.empty(out, n // 2, dtype=torch.uint8))
+        self.register_buffer("scales", torch.empty(n // group, out, 2, dtype=torch.bfloat16))
+        return self
+
     def forward(self, x: Tensor) -> Tensor:
         y = INT4_MM(x.reshape(-1, self.in_features).bfloat16(), self.packed, self.group, self.scales)
         return y.view(*x.shape[:-1], self.out_features)               # (..., out) bf16
@@ -128,6 +139,10 @@ class Q8Linear(Int4Linear):
         self.register_buffer("packed", torch.ops.aten._convert_weight_to_int4pack_for_cpu(codes, 1))
         hi, lo = torch.stack([16 * d, torch.zeros_like(d)], -1), torch.stack([d, 8 * d], -1)  # each (out, n/group, 2): scale, zero
         self.register_buffer("scales", torch.cat([hi, lo], 1).transpose(0, 1).contiguous().bfloat16())  # (2n/group, out, 2)
+
+    @classmethod
+    def empty(cls, out: int, n: int, group: int = 32) -> Q8Linear:
+        return super().empty(out, 2 * n, group)                           # twice the columns
 
     def forward(self, x: Tensor) -> Tensor:
         return super().forward(torch.cat([x, x], -1))                      # (..., out) bf16

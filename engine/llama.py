@@ -21,7 +21,7 @@ else of it changes, so every decoder sees the same function, only faster:
   Llama.packed_head       None (F.linear on the head weight), or a module for the head (bf16,
                           Q8_0 groups); then `output` may be gone
   Llama.blocks            the method, or an instance attribute of the same signature set by
-                          fast.aot.compile_step: the layer stack compiled (`model.__dict__`)
+                          fast.aot.compile_step: the layer stack compiled (fast.aot.compiled(model))
 Whether a model so swapped prints its plain's tokens bit for bit is one function's to say:
 engine/doors/session.py's on_exact_path(model).
 

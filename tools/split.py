@@ -32,6 +32,7 @@ from pathlib import Path
 import torch
 
 from engine.decoders import DECODERS
+from engine.fast.aot import compiled
 from engine.fast.packed import exact_by_default, prepack, quantize_int4
 from engine.kvcache import KVCache
 from engine.llama import causal_mask
@@ -124,7 +125,7 @@ def row_split(model, k: int, context: int = 64, repeats: int = 15) -> dict:
         out[kind] = timed(lambda: [m(x[m.in_features]) for m in mods], repeats)
     head = model.packed_head or (lambda h: torch.nn.functional.linear(h, model.tok_embeddings.weight))
     out["head"] = timed(lambda: head(x[c.dim]), repeats)
-    if "blocks" in model.__dict__:                                # compiled: attention is in the graph
+    if compiled(model) is not None:                               # attention is in the graph
         out["attention"] = 0.0
     else:
         q = torch.randn(1, c.n_heads, k, c.head_dim, generator=gen).to(cache.k.dtype)   # (1, H, k, D)
@@ -143,9 +144,8 @@ def row_models(checkpoint: Path):
     q = quantize_int4(load_model(checkpoint))
     q = prepack(q, exact_by_default(q))
     yield "int4 eager", q
-    before = q.__dict__.get("blocks")
     q = compile_step(q, notify=lambda m: print(f"note: {m}", file=sys.stderr, flush=True))
-    if q.__dict__.get("blocks") is not before:
+    if compiled(q) is not None:
         yield "int4 compiled", q
 
 

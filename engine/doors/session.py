@@ -17,7 +17,7 @@ from engine.adapt.cost import calibrated, draft_price, probed
 from engine.adapt.policy import Prices, adaptive as policy_for, four_bit_copy
 from engine.decoders import DECODERS
 from engine.draft import SelfDraft
-from engine.fast.aot import Compiled, compile_step
+from engine.fast.aot import compile_step, compiled
 from engine.fast.invariant import row_attention
 from engine.fast.packed import exact_by_default, packs, prepack
 from engine.fast.prepared import int4_model
@@ -69,7 +69,7 @@ class RunPath(NamedTuple):
 
 def path_name(path: "RunPath", model: Llama) -> str:
     """The path a loaded model runs on, as the stats line and Engine.path name it."""
-    return path.name + (" compiled" if isinstance(model.__dict__.get("blocks"), Compiled) else "")
+    return path.name + (" compiled" if compiled(model) is not None else "")
 
 
 def default_path(config: LlamaConfig, device: str = "cpu", dtype: str | None = None, int4: bool | None = None,
@@ -144,9 +144,8 @@ def compile_early_exit(model: Llama, second, notify: Callable[[str], None]) -> N
     """An early exit's two halves (a self-draft's or an amateur's layers) compiled beside the
     whole stack, when the model's step is compiled and they are not yet."""
     L = second.layers if isinstance(second, SelfDraft) else second
-    compiled = model.__dict__.get("blocks")
-    if isinstance(L, int) and not isinstance(L, bool) and isinstance(compiled, Compiled) \
-            and (0, L) not in compiled.runners:
+    stack = compiled(model)
+    if isinstance(L, int) and not isinstance(L, bool) and stack is not None and (0, L) not in stack.runners:
         compile_step(model, notify, splits=[L])
 
 
@@ -188,4 +187,4 @@ def on_exact_path(model: Llama) -> bool:
     apart), as this machine's kernel probe agrees (adapt.cost.probed, kept per machine), and,
     compiled, no forward that decides tokens ran eager since the prompt's."""
     return model.layers[0].attention.attend is row_attention and probed(model) \
-        and not getattr(model.blocks, "eager", 0)
+        and not getattr(compiled(model), "eager", 0)

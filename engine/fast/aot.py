@@ -188,14 +188,21 @@ class Compiled:
         return self.chains[T]
 
 
+def compiled(model: Llama) -> Compiled | None:
+    """The model's compiled stack, if compile_step set one (the seam Llama.blocks, as an instance
+    attribute that shadows the method), else None: the one place that looks."""
+    blocks = model.__dict__.get("blocks")
+    return blocks if isinstance(blocks, Compiled) else None
+
+
 def compile_step(model: Llama, notify: Callable[[str], None], folder=None, splits=()) -> Llama:
     """`model` with its layer stack compiled (each built once into `folder`, default
     ~/.cache/engine, then loaded), in place; for each L of `splits` also layers [0, L) and
     [L, n), an early exit's two halves (a self-draft, an amateur). On any failure one notice
     through `notify` and the model as it was."""
-    n, have = model.config.n_layers, model.__dict__.get("blocks")
+    n, have = model.config.n_layers, compiled(model)
     ranges = [(0, n)] + [r for L in splits if 0 < L < n for r in ((0, L), (L, n))]
-    runners = dict(have.runners) if isinstance(have, Compiled) else {}   # compiled before: add to them
+    runners = dict(have.runners) if have is not None else {}   # compiled before: add to them
     try:
         with warnings.catch_warnings():
             warnings.simplefilter("ignore")   # export's deprecation chatter: the notice says what matters

@@ -34,7 +34,8 @@ def model_key(model: Llama) -> str:
     """What a measured price depends on: the machine, torch, dtype, kernels, K/V dtype and model
     shape (and a compiled stack, engine/fast/aot.py, where there is one)."""
     w, layer = model.tok_embeddings.weight, model.layers[0]
-    compiled = f"|compiled {model.blocks.version}" if "blocks" in model.__dict__ else ""
+    version = getattr(model.blocks, "version", None)   # a compiled stack's (fast.aot.Compiled), else none
+    compiled = f"|compiled {version}" if version else ""
     return "|".join(map(str, (cpu_name(), torch.backends.cpu.get_cpu_capability(), torch.get_num_threads(),
                               torch.__version__, device_name(w.device), w.dtype, attention_dtype(w.dtype, w.device),
                               type(layer.feed_forward.w13).__name__, type(model.packed_head).__name__,

@@ -88,7 +88,10 @@ LLAMA_CPP_COMMIT := 0c1e57098
 # prompt); decoding one token at a time never takes them, so they are left out. GGML_NATIVE
 # would put its -march=native after these flags and undo them, so it is off and ours is native
 NO_AMX := -mno-amx-tile -mno-amx-int8 -mno-amx-bf16
-LLAMA_CPP_DIR := build/llama.cpp
+# LLAMA_CPP_ARCH=haswell builds it for AVX2 only, beside the native one (build/llama.cpp-haswell):
+# the AVX2 figure taken on an AVX-512 machine, against the engine under ATEN_CPU_CAPABILITY=avx2
+LLAMA_CPP_ARCH ?= native
+LLAMA_CPP_DIR := build/llama.cpp$(if $(filter native,$(LLAMA_CPP_ARCH)),,-$(LLAMA_CPP_ARCH))
 LLAMA_CPP_SDIST := $(LLAMA_CPP_DIR)/llama_cpp_python-$(LLAMA_CPP_PY).tar.gz
 llama-cpp: $(LLAMA_CPP_DIR)/cmake/bin/llama-completion
 	@echo "LLAMA_CPP=$(abspath $<)"
@@ -98,7 +101,7 @@ $(LLAMA_CPP_DIR)/cmake/bin/llama-completion: | setup
 	echo "$(LLAMA_CPP_SHA256)  $(LLAMA_CPP_SDIST)" | sha256sum -c -
 	tar -xzf $(LLAMA_CPP_SDIST) -C $(LLAMA_CPP_DIR)/src --strip-components=3 llama_cpp_python-$(LLAMA_CPP_PY)/vendor/llama.cpp
 	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
-	  -DCMAKE_C_FLAGS="-march=native $(NO_AMX)" -DCMAKE_CXX_FLAGS="-march=native $(NO_AMX)" \
+	  -DCMAKE_C_FLAGS="-march=$(LLAMA_CPP_ARCH) $(NO_AMX)" -DCMAKE_CXX_FLAGS="-march=$(LLAMA_CPP_ARCH) $(NO_AMX)" \
 	  -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT=$(LLAMA_CPP_COMMIT) -DLLAMA_OPENSSL=OFF \
 	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
 	cmake --build $(LLAMA_CPP_DIR)/cmake -j2 --target llama-completion llama-bench

@@ -348,3 +348,29 @@ def test_a_kept_table_that_is_bad_is_measured_anew_once_with_a_notice(tmp_path, 
     assert len(notes) == 2 and "measuring it anew" in notes[0] and "measured this machine" in notes[1]
     notes.clear()
     assert cost.calibrated(model, tmp_path, notes.append) == {1: 1.0, 8: 1.5} and notes == []
+
+
+def test_a_table_that_contradicts_itself_is_measured_again_and_the_user_told_first(tmp_path, monkeypatch):
+    # Why: a busy spell while measuring can price 4 rows below 2 (a kept fp32 table read
+    # cost(2) = 1.20, cost(4) = 1.00), and a table is kept for good; and a first run measures
+    # for seconds, so it says so before, not only after. Broken variants run: TRIES = 1 keeps the
+    # contradicting table; the live line moved after measure() comes after the first measurement
+    model = tiny_llama(0)
+    tables = iter([{1: 1.0, 2: 1.2, 4: 1.0}, {1: 1.0, 2: 1.2, 4: 1.5}])
+    order = []
+    def measure(m):
+        order.append("measured")
+        return next(tables)
+    monkeypatch.setattr(cost, "measure", measure)
+    live = lambda line: order.append(line)
+    got = cost.calibrated(model, tmp_path, live=live)
+    assert got == {1: 1.0, 2: 1.2, 4: 1.5}
+    assert order[0].startswith("measuring this machine's k-row forward costs once") and order[1] == "measured"
+    assert "4 rows priced 1.00x, below 2 rows' 1.20x" in order[2] and order[3] == "measured"
+    assert cost.contradiction({1: 1.0, 2: 1.2, 4: 1.1}) is None              # within the noise stated
+    assert cost.contradiction({1: 1.0, 5: 1.7, 8: 1.7}) is None              # int4's steps of 4 rows: flat
+    always = iter([{1: 1.0, 2: 2.0, 4: 1.0}] * cost.TRIES)
+    monkeypatch.setattr(cost, "measure", lambda m: next(always))
+    kept = cost.calibrated(model, tmp_path / "other", live=lambda line: None)
+    assert kept == {1: 1.0, 2: 2.0, 4: 1.0}       # TRIES in all, then kept as measured, said in the file
+    assert json.loads(next((tmp_path / "other").glob("cost-*.json")).read_text())["contradiction"] == [2, 4]

@@ -1264,3 +1264,30 @@ def test_two_first_runs_at_once_both_answer_and_leave_one_valid_table(ckpt, tmp_
     assert [p.name for p in kept if p.name.startswith(".")] == []                # no half-written file
     tables = [p for p in kept if p.name.startswith("cost-")]
     assert tables and all(isinstance(json.loads(p.read_text()), dict) for p in tables)
+
+
+def test_a_first_adaptive_run_at_a_terminal_says_it_measures_before_it_measures(ckpt, tmp_path):
+    # why: a first adaptive run on a path measures this machine's prices for seconds (minutes on
+    # a busy machine) before it answers; a user at a terminal is told when it starts, and again
+    # where the table went after the answer. A pipe hears only the latter (its reader is promised
+    # one error line for a refused request). Broken variant run: live=None in cli.prices leaves
+    # the terminal silent until the answer (this test fails)
+    import os
+    import pty
+    import subprocess
+    import sys
+    master, slave = pty.openpty()
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": os.getcwd()}
+    r = subprocess.run([sys.executable, "-m", "engine.run", "--checkpoint", str(ckpt), "--decoder", "lookahead",
+                        "--prompt", "hello", "--max-new-tokens", "4"], stdout=subprocess.PIPE, stderr=slave,
+                       env=env, timeout=300)
+    os.close(slave)
+    err = b""
+    with __import__("contextlib").suppress(OSError):
+        while chunk := os.read(master, 1 << 16):
+            err += chunk
+    os.close(master)
+    lines = err.decode().splitlines()
+    start = next(i for i, line in enumerate(lines) if "measuring this machine's k-row forward costs once" in line)
+    done = next(i for i, line in enumerate(lines) if "measured this machine's forward costs into" in line)
+    assert r.returncode == 0 and start < done, lines

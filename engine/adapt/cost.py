@@ -81,7 +81,18 @@ def table_from(d, path: str | Path) -> dict[int, float]:
 # row counts measured, interpolated between: torch's int4 kernel costs steps of four rows (5
 # rows as much as 8: docs/archive/speed-log.md, run 11), so both ends of each step are measured up to 16
 ROW_COUNTS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 24, 32)
-HOW = "paired medians, with the step after"   # in the kept table's key: a new way measures anew
+HOW = "paired medians, with the step after, checked"   # in the kept table's key: a new way measures anew
+# a larger k may read at most this much cheaper than a smaller one: the spread of paired medians
+# on a busy 2-core VM; beyond it a table contradicts itself (a busy spell) and is measured again
+CONTRADICTION = 0.10
+TRIES = 3
+
+
+def contradiction(table: dict[int, float]) -> tuple[int, int] | None:
+    """(j, k), j < k, where k rows are priced cheaper than j beyond CONTRADICTION; else None."""
+    ks = sorted(table)
+    return next(((j, k) for i, j in enumerate(ks) for k in ks[i + 1:]
+                 if table[k] < table[j] * (1 - CONTRADICTION)), None)
 
 
 def measure(model: Llama, ks=ROW_COUNTS, context: int = 100, repeats: int = 7) -> dict[int, float]:
@@ -120,22 +131,35 @@ def forward_seconds(model: Llama, cache: KVCache, start: int, k: int) -> float:
     return time.perf_counter() - t0
 
 
-def calibrated(model: Llama, folder: Path | None = None,
-               notify: Callable[[str], None] | None = None) -> dict[int, float] | None:
+def calibrated(model: Llama, folder: Path | None = None, notify: Callable[[str], None] | None = None,
+               live: Callable[[str], None] | None = None) -> dict[int, float] | None:
     """This machine's table for this model, measured on first use and read back after (`kept`);
-    None where it cannot be kept (the policy then prices by policy.SLOPE)."""
+    None where it cannot be kept (the policy then prices by policy.SLOPE). A table that
+    contradicts itself is measured again, up to TRIES times in all; `live` hears it at once."""
     def table() -> dict:
-        return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in measure(model).items()}}}
-    found = kept(f"{model_key(model)}|{ROW_COUNTS}|{HOW}", table, folder, notify, check=table_from)
+        for attempt in range(1, TRIES + 1):
+            ratios = measure(model)
+            bad = contradiction(ratios)
+            if bad is None or attempt == TRIES:
+                break
+            if live:
+                j, k = bad
+                live(f"{k} rows priced {ratios[k]:.2f}x, below {j} rows' {ratios[j]:.2f}x (a busy spell?): "
+                     f"measuring again [{attempt + 1}/{TRIES}]")
+        return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in ratios.items()}},
+                "tries": attempt, "contradiction": bad}
+    found = kept(f"{model_key(model)}|{ROW_COUNTS}|{HOW}", table, folder, notify, check=table_from,
+                 live=live, what="k-row forward costs")
     return None if found is None else table_from(*found)
 
 
 def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
-                notify: Callable[[str], None] | None = None) -> float | None:
+                notify: Callable[[str], None] | None = None, live: Callable[[str], None] | None = None) -> float | None:
     """One draft token's cost in one-row target forwards on this machine, kept like the table
     (None where it cannot be kept: policy.DRAFT_COST then)."""
     found = kept(f"draft|{model_key(target)}|{model_key(draft)}",
-                 lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify, check=draft_cost)
+                 lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify, check=draft_cost,
+                 live=live, what="draft's price")
     return None if found is None else draft_cost(*found)
 
 
@@ -181,14 +205,15 @@ def one_row_seconds(model: Llama, context: int) -> float:
 
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,
-         notify: Callable[[str], None] | None, check: Callable[[dict, Path], object] = lambda d, p: d
-         ) -> tuple[dict, Path] | None:
+         notify: Callable[[str], None] | None, check: Callable[[dict, Path], object] = lambda d, p: d,
+         live: Callable[[str], None] | None = None, what: str = "forward costs") -> tuple[dict, Path] | None:
     """(measure()'s JSON object, where it is kept): measured once per key, then read back.
 
     Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), named by a hash of the key; the first
     writer wins a race, and every process uses the file as written. Delete it to measure
     again. A kept file that is not JSON, holds another key or fails `check(data, path)` (a
-    ValueError) is measured anew, once, with a notice. `notify` hears one line when this call measured, so a CLI can say where it went.
+    ValueError) is measured anew, once, with a notice. `notify` hears one line when this call measured,
+    so a CLI can say where it went; `live` hears one before it measures, so a user is told at once.
     None where nothing can be kept (a read-only home): the caller then prices by fixed
     constants, since a measurement taken anew by every run would let runs print apart.
     """
@@ -207,6 +232,8 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     try:
         folder.mkdir(parents=True, exist_ok=True)
         with open(tmp, "wb") as f:                     # opened first: a read-only home measures nothing
+            if live:
+                live(f"measuring this machine's {what} once (seconds; later runs read them back)")
             f.write(json.dumps({"key": key, **measure()}).encode())   # seconds, once per machine
         try:
             os.link(tmp, path)                         # subtle: fails if another process won

@@ -189,7 +189,11 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     """The second model and the policy's prices: this machine's cost table (measured once,
     then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
     pays more than the self-draft at their priors (engine/adapt/policy.py, pick_draft)."""
-    p = api_prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append)
+    # a measurement's start is said at once to a terminal (it takes seconds), where it went after
+    # the answer; subtle: not to a pipe, whose reader is promised one error line for a request
+    # refused after pricing (a self-draft deeper than the model is the decoder's to say)
+    live = (lambda line: warn(f"note: {line}")) if to_terminal(sys.stderr) else None
+    p = api_prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live)
     if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
         own = self_draft(model.config.n_layers)
         pick = pick_draft(model, [(own, Prices(p.table)), (second[0], p)])
@@ -446,6 +450,12 @@ def main(argv: list[str] | None = None) -> int:
     for line in result["notes"]:
         warn(f"note: {line}")
     return 0
+
+
+def to_terminal(stream) -> bool:
+    with contextlib.suppress(OSError, ValueError, AttributeError):
+        return stream.isatty()
+    return False
 
 
 def warn(line: str) -> None:

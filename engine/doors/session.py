@@ -112,15 +112,16 @@ def check_device(name, what: str = "device") -> torch.device:
 
 
 def prices(model: Llama, second=None, table: dict | None = None, draft: float | None = None,
-           notify: Callable[[str], None] | None = None) -> Prices:
+           notify: Callable[[str], None] | None = None, live: Callable[[str], None] | None = None) -> Prices:
     """The policy's prices, for the CLI and the API alike: `table` or this machine's k-row costs
     for `model`, and `draft` or, for a 4-bit copy of it, that draft's measured price; each
-    measured on first use and kept (engine/adapt/cost.py, `notify` hears where). On an inexact path
+    measured on first use and kept (engine/adapt/cost.py: `live` hears a measurement start, `notify`
+    where it went). On an inexact path
     (int4 or bf16 without their exact kernels) a price moves the tokens too, so both must read
     the same."""
-    table = calibrated(model, notify=notify) if table is None else table
+    table = calibrated(model, notify=notify, live=live) if table is None else table
     if draft is None and four_bit_copy(model, second):
-        draft = draft_price(model, second, notify=notify)
+        draft = draft_price(model, second, notify=notify, live=live)
     return Prices(table, draft)
 
 

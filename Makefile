@@ -71,6 +71,7 @@ test-cuda: weights
 bench: weights
 	$(PY) -m tools.bench $(if $(LLAMA_CPP),--llama-cpp $(LLAMA_CPP)) $(if $(COMPILE),--compile)
 	$(PY) -m tools.bench --forward-cost --naive --roof --memory --repeats 5
+	$(PY) -m tools.bench --roof --int4 --dtype bfloat16 $(if $(COMPILE),--compile) --repeats 5 --out bench-out/roof-int4
 	$(PY) -m tools.bench --startup --repeats 5
 	$(PY) -m tools.split
 	$(PY) -m tools.split --rows

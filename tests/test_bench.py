@@ -21,7 +21,7 @@ def test_forward_cost_reports_every_k_for_every_model():
 @pytest.mark.parametrize("argv", [["--forward-cost", "--ks", "0"], ["--forward-cost", "--ks", "x"],
                                   ["--configs", "nope"], ["--roof", "--random-weights"], ["--memory", "--random-weights"],
                                   ["--forward-cost", "--repeats", "0"], ["--forward-cost", "--int4"],
-                                  ["--roof", "--int4", "--dtype", "bfloat16"],
+                                  ["--memory", "--int4", "--dtype", "bfloat16"],
                                   ["--forward-cost", "--out", __file__]])   # --out names a file
 def test_bad_arguments_exit_2_with_one_line(argv, capsys):
     from tools.bench import main
@@ -245,3 +245,16 @@ def test_a_figure_taken_under_another_kernel_dispatch_says_so(monkeypatch):
     assert machine()["env"] == {} and "=" not in describe(machine())
     monkeypatch.setenv("ONEDNN_MAX_CPU_ISA", "AVX2")
     assert describe(machine()).endswith(", ONEDNN_MAX_CPU_ISA=AVX2")
+
+
+def test_a_steps_bytes_are_what_its_modules_hold_on_every_path():
+    # why: the roof divides bandwidth by the bytes a step reads; counted from fp32 shapes it
+    # overstated a 4-bit step's 4x (and a packed weight, which has no storage, broke the count)
+    from engine.fast.packed import prepack, quantize_int4
+    from tools.bench import step_bytes, weight_bytes
+    from conftest import int4_copy
+    fp32 = prepack(tiny_llama(0, vocab=64, tie=True).float())
+    assert step_bytes(fp32) == weight_bytes(fp32.config, 4) + 4 * fp32.config.dim   # and one embedding row
+    q = int4_copy(tiny_llama(0, vocab=64, tie=True, hidden=64).float())
+    layers = sum(t.nbytes for b in q.layers for m in (b.attention.wqkv, b.feed_forward.w2) for t in (m.packed, m.scales))
+    assert layers < step_bytes(q) < weight_bytes(q.config, 4) / 3

@@ -157,10 +157,27 @@ def weight_bytes(cfg: LlamaConfig, element_size: int = 4) -> int:
     return (cfg.n_layers * layer + cfg.vocab_size * C + C) * element_size
 
 
+def step_bytes(model: Llama) -> int:
+    """Bytes a one-row step of this model as loaded reads: every tensor of its layers and its head
+    (packed, 4-bit codes and scales, Q8 head: whatever the fast path holds), one embedding row."""
+    head = model.packed_head if model.packed_head is not None else (
+        model.tok_embeddings.weight if model.config.tie_embeddings else model.output.weight)
+    mods = [m for m in (model.layers, model.norm, head) if isinstance(m, torch.nn.Module)]
+    seen, n = set(), 0 if isinstance(head, torch.nn.Module) else head.nbytes
+    for mod in (x for m in mods for x in m.modules()):
+        tensors = [*mod.parameters(recurse=False), *mod.buffers(recurse=False),
+                   *(v for v in vars(mod).values() if isinstance(v, torch.Tensor))]   # PackedLinear's
+        for t in tensors:
+            if id(t) not in seen:            # subtle: oneDNN's reordered weights have no storage
+                seen.add(id(t))
+                n += t.numel() * t.element_size()
+    return n + model.tok_embeddings.weight[0].nbytes
+
+
 def roof(model: Llama, repeats: int = 9) -> dict:
-    """Tokens/s ceilings of one-row decoding: bandwidth / weight bytes, for copy and read."""
+    """Tokens/s ceilings of one-row decoding: bandwidth / the bytes a step reads, for copy and read."""
     bw = bandwidth(repeats=repeats)
-    nbytes = weight_bytes(model.config, model.tok_embeddings.weight.element_size())
+    nbytes = step_bytes(model)
     return {"weight_mb": round(nbytes / 1e6, 1), **bw,
             "roof_tok_s": round(bw["copy_gbps"] * 1e9 / nbytes, 2),
             "read_roof_tok_s": round(bw["read_gbps"] * 1e9 / nbytes, 2)}
@@ -598,8 +615,8 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
         p.error(f"--threads must be in [0, {4 * (os.cpu_count() or 1)}] (0 = torch's default)")
     if args.llama_cpp is not None and not args.llama_cpp.strip():  # else "" would drop the row unsaid
         p.error("--llama-cpp: empty path; give a llama-completion binary (make llama-cpp)")
-    if args.int4 and (args.dtype != "bfloat16" or args.naive or args.roof or args.memory):
-        p.error("--int4 needs --dtype bfloat16, and has no --naive, --roof or --memory figures")
+    if args.int4 and (args.dtype != "bfloat16" or args.naive or args.memory):
+        p.error("--int4 needs --dtype bfloat16, and has no --naive or --memory figures")
     if args.memory and args.random_weights:
         p.error("--memory runs the decoders on a real --checkpoint")
     if args.roof and args.random_weights:
@@ -698,7 +715,10 @@ def run(args: argparse.Namespace) -> dict:
             configs[llama_cpp[0]] = llama_cpp[1]
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
     if args.roof:
+        if args.compile and args.int4:    # the fast path's roof: its step compiled, as --compile runs it
+            engine = compile_step(engine, notify=lambda line: progress(f"note: {line}"))
         result["roof"], result["plain_decode"] = roof_and_decode(engine, args)
+        result["roof"]["path"] = ("int4" if args.int4 else str(args.dtype)) + (" compiled" if args.compile else "")
     return result
 
 

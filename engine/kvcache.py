@@ -55,7 +55,7 @@ def available_bytes(device) -> int | None:
         return None
 
 
-def check_fits(nbytes: int, what: str, device) -> None:
+def check_memory(nbytes: int, what: str, device) -> None:
     """ValueError naming `what` when `nbytes` exceed the memory `device` has free."""
     free = available_bytes(device)
     if free is not None and nbytes > free:
@@ -71,7 +71,7 @@ class KVCache:
             if isinstance(n, bool) or not isinstance(n, int) or n < 1:
                 raise ValueError(f"KVCache: {name} must be an integer >= 1, got {n!r}")
         # checked before allocating: a capacity of 10^9 slots must be an error, not a hang
-        check_fits(2 * n_layers * batch * n_kv_heads * capacity * head_dim * dtype.itemsize,
+        check_memory(2 * n_layers * batch * n_kv_heads * capacity * head_dim * dtype.itemsize,
                    f"a KV cache of {capacity} slots", device)
         shape = (n_layers, batch, n_kv_heads, capacity, head_dim)      # (L, B, Hkv, capacity, D)
         self.k = torch.zeros(shape, dtype=dtype, device=device)

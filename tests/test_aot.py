@@ -253,7 +253,7 @@ def test_a_foreign_or_broken_artifact_is_built_anew_once_and_the_run_after_loads
     def fake_build(model, start, stop, path, k):
         builds.append(path)
         path.write_bytes(good.read_bytes())
-    monkeypatch.setattr(aot, "build", fake_build)
+    monkeypatch.setattr(aot, "build_package", fake_build)
     for bad in (built.read_bytes(), built.read_bytes()[:1000], b""):   # foreign, cut short, empty
         target.write_bytes(bad)
         notes, builds[:] = [], []

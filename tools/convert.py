@@ -37,7 +37,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
 from tqdm import tqdm
 
-from engine.kvcache import check_fits
+from engine.kvcache import check_memory
 from engine.llama import RopeScaling, frequencies
 from engine.load.config import config_from_hf
 from engine.load.weights import DEFAULT_CHECKPOINT, parameter_count, rename
@@ -226,7 +226,7 @@ def check_tensors(reader: gguf.GGUFReader, config: dict) -> None:
             if "{i}" in k and k.format(i=i) not in names:
                 raise ValueError(f"GGUF file lacks {k.format(i=i)}")
     # the dequantised float32 tensors are held at once before they are written
-    check_fits(4 * parameter_count(config_from_hf(config)), "the dequantised weights", "cpu")
+    check_memory(4 * parameter_count(config_from_hf(config)), "the dequantised weights", "cpu")
 
 
 def meta_words(c: dict) -> str:

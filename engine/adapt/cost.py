@@ -39,10 +39,10 @@ STALE_SECONDS = 3600
 
 def load_table(path: str | Path) -> dict[int, float]:
     """The k -> cost(k)/cost(1) ratios of a `tools.bench --forward-cost` JSON (its first model)."""
-    return table_from(read_json(path), path)
+    return table_from(read_bounded_json(path), path)
 
 
-def read_json(path: str | Path):
+def read_bounded_json(path: str | Path):
     """A regular file's JSON, read to at most MAX_TABLE_BYTES: a FIFO nobody writes, /dev/zero, a
     file that keeps growing or bad JSON is one error, not a hang or a full memory."""
     try:
@@ -274,7 +274,7 @@ def sweep_stale(folder: Path) -> None:
 
 def read_kept(path: Path, key: str, check: Callable[[dict, Path], object]) -> dict:
     """A kept file's JSON object, if it is one, for `key`, and `check` passes it; else ValueError."""
-    data = read_json(path)
+    data = read_bounded_json(path)
     if not isinstance(data, dict) or data.get("key", key) != key:
         raise ValueError(f"{path} was measured for another key")
     check(data, path)

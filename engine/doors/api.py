@@ -22,7 +22,7 @@ from typing import Iterator
 import torch
 
 from engine.decoders import DECODERS
-from engine.doors.session import (build, check_compile, check_device, check_fits, compile_early_exit, default_path, encode, path_name, prices,
+from engine.doors.session import (build, check_compile, check_device, check_context, compile_early_exit, default_path, encode, path_name, prices,
                                   say, wire)
 from engine.fast.aot import compile_step
 from engine.doors.receipt import receipt
@@ -77,7 +77,7 @@ class Engine:
         check_ids(ids, self.model.config.vocab_size, "a prompt of ids")
         if type(max_new_tokens) is not int or max_new_tokens < 1:
             raise ValueError(f"max_new_tokens must be an int >= 1, got {max_new_tokens!r}")
-        check_fits(len(ids), max_new_tokens, self.model.config)
+        check_context(len(ids), max_new_tokens, self.model.config)
         if decoder not in DECODERS:
             raise ValueError(f"decoder {decoder!r}: one of {', '.join(DECODERS)}")
         if type(adaptive) is not bool:   # "false" would be truthy; checked for every decoder, read by a policy

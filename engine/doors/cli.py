@@ -27,7 +27,7 @@ from engine.adapt.cost import load_table
 from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
-from engine.doors.session import (build, check_compile, check_device, check_fits, default_path, encode, on_exact_path, path_name,
+from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
                                   prices as api_prices, wire)
 from engine.draft import SelfDraft, resident_bytes
 from engine.fast.aot import compile_step
@@ -299,7 +299,7 @@ def run(args) -> dict:
     # a text of more than context x the longest token's characters cannot fit; 4 bytes a character
     text = args.prompt if args.prompt is not None else read_stdin(4 * tok.max_text_chars)
     prompt = encode(tok, text, args.raw)        # --raw: control tokens on purpose; see --help
-    check_fits(len(prompt), args.max_new_tokens, config, "--max-new-tokens")
+    check_context(len(prompt), args.max_new_tokens, config, "--max-new-tokens")
     # subtle: the clamps are said with the run's other notes, after it: checks still to come (the
     # cost table, --draft, the decoder's own knobs) may refuse the run, and a note ahead of the
     # error line would read as if the run went on

@@ -161,7 +161,7 @@ def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:
     return tokenizer.encode_chat([{"role": "user", "content": text}])
 
 
-def check_fits(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = "max_new_tokens") -> None:
+def check_context(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = "max_new_tokens") -> None:
     """n prompt tokens and the token budget must fit the model's context, else a ValueError
     naming the budget as `flag`."""
     if n + max_new_tokens > config.max_seq_len:

@@ -50,7 +50,7 @@ from engine.fast.packed import Int4Linear
 from engine.kvcache import KVCache
 from engine.llama import Llama, causal_mask, rope
 
-MOST_ROWS, MOST_SLOTS = 1024, 1 << 20   # the graph's bounds: rows a forward, cache slots
+GRAPH_ROWS, GRAPH_SLOTS = 1024, 1 << 20   # the graph's bounds: rows a forward, cache slots
 OPTIONS = {"emulate_precision_casts": True,   # bf16 rounded after every op, as eager does
            # a value read twice with 4+ reads (RoPE's q and k) is stored, not recomputed per key:
            # then the cached and the new keys' scores are one and the same reduction (see below)
@@ -151,7 +151,7 @@ class Compiled:
         m, T = self.model, x.shape[1]
         n, last = (cache.length if cache is not None else 0), m.config.n_layers
         runner = None if trim_layers else self.runners.get((start, last if stop is None else stop))
-        if runner is None or n == 0 or T > MOST_ROWS or cache.capacity > MOST_SLOTS:
+        if runner is None or n == 0 or T > GRAPH_ROWS or cache.capacity > GRAPH_SLOTS:
             self.eager += n > 0 and stop in (None, last)    # an early exit's own logits are drafts
             return Llama.blocks(m, x, positions, cache, mask, start, stop, keep, trim_layers)
         if n + T > cache.capacity:   # KVCache.append's check, made before the compiled call
@@ -244,7 +244,7 @@ def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callab
     get_cpp_compiler()                          # InvalidCxxCompiler, naming what it tried
     t0 = time.perf_counter()
     notify(f"compiling layers {start}-{stop - 1} of the 4-bit step, once on this machine (minutes)")
-    build(model, start, stop, path, k)
+    build_package(model, start, stop, path, k)
     notify(f"compiled them into {path} in {time.perf_counter() - t0:.0f} s; later runs load it "
            "(delete it to build anew)")
     return read(path, k)
@@ -276,7 +276,7 @@ class Runner:
         return self.loader.get_metadata()
 
 
-def build(model: Llama, start: int, stop: int, path, k: str) -> None:
+def build_package(model: Llama, start: int, stop: int, path, k: str) -> None:
     """Export layers [start, stop) with dynamic rows and slots, compile them, keep them at `path` (a
     temporary file first, then renamed: a killed build leaves no half artifact)."""
     from torch.export import Dim
@@ -285,8 +285,8 @@ def build(model: Llama, start: int, stop: int, path, k: str) -> None:
     x = torch.zeros(1, T, c.dim, dtype=model.tok_embeddings.weight.dtype)
     cos, sin = rope(torch.arange(n, n + T), c.head_dim, c.rope_theta, x.dtype, c.rope_scaling)
     kv = KVCache.for_model(model, capacity).k                           # (L, 1, Hkv, capacity, D)
-    rows, slots = Dim("rows", min=1, max=MOST_ROWS), Dim("slots", min=2, max=MOST_SLOTS)
-    cap = Dim("capacity", min=2, max=MOST_SLOTS)
+    rows, slots = Dim("rows", min=1, max=GRAPH_ROWS), Dim("slots", min=2, max=GRAPH_SLOTS)
+    cap = Dim("capacity", min=2, max=GRAPH_SLOTS)
     shapes = {"x": {1: rows}, "cos": {0: rows}, "sin": {0: rows}, "k": {3: cap}, "v": {3: cap},
               "mask": {0: rows, 1: slots}, "which": {0: rows, 1: rows}, "count": {0: rows}}
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -340,7 +340,7 @@ def key(model: Llama) -> str:
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
     eager = model_key(model).removesuffix(f"|compiled {VERSION}")   # the same whether compiled before or not
-    return f"{VERSION}|{KEY_BLOCK}|{OPTIONS}|{MOST_ROWS}|{MOST_SLOTS}|{eager}|{h.hexdigest()}"
+    return f"{VERSION}|{KEY_BLOCK}|{OPTIONS}|{GRAPH_ROWS}|{GRAPH_SLOTS}|{eager}|{h.hexdigest()}"
 
 
 def first_line(e: Exception) -> str:

@@ -13,7 +13,7 @@ from pathlib import Path
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.kvcache import check_fits
+from engine.kvcache import check_memory
 from engine.llama import Llama, LlamaConfig
 from engine.load.config import load_config, read_json
 
@@ -81,7 +81,7 @@ def check_plausible(ckpt_dir: Path, config: LlamaConfig, tensors: dict, device, 
         raise ValueError(f"{ckpt_dir / 'config.json'}: vocab_size x hidden_size is "
                          f"{config.vocab_size} x {config.dim}, but model.embed_tokens.weight has shape {embed}")
     n = parameter_count(config)   # a lower bound (the loaded model alone): refuse only what cannot possibly fit
-    check_fits(n * dtype.itemsize, f"{ckpt_dir}: {n:,} parameters", device)
+    check_memory(n * dtype.itemsize, f"{ckpt_dir}: {n:,} parameters", device)
 
 
 def read_tensors(ckpt_dir: Path) -> dict[str, tuple[Path, tuple[int, ...]]]:

@@ -30,11 +30,13 @@ caught, and one did (SIGSEGV loading a fresh step, torch 2.11 on an Intel Xeon: 
 """
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import os
 import signal
 import subprocess
 import sys
+import threading
 import time
 import warnings
 from pathlib import Path
@@ -244,7 +246,8 @@ def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callab
     get_cpp_compiler()                          # InvalidCxxCompiler, naming what it tried
     t0 = time.perf_counter()
     notify(f"compiling layers {start}-{stop - 1} of the 4-bit step, once on this machine (minutes)")
-    build_package(model, start, stop, path, k)
+    with progress(f"layers {start}-{stop - 1}") as stage:
+        build_package(model, start, stop, path, k, stage)
     notify(f"compiled them into {path} in {time.perf_counter() - t0:.0f} s; later runs load it "
            "(delete it to build anew)")
     return read(path, k)
@@ -276,7 +279,36 @@ class Runner:
         return self.loader.get_metadata()
 
 
-def build_package(model: Llama, start: int, stop: int, path, k: str) -> None:
+STAGES = ("export", "compile (gcc)", "trial load")
+
+
+@contextlib.contextmanager
+def progress(what: str):
+    """A bar on a terminal's stderr through the build's STAGES, its clock ticking each second
+    (the compile stage is one call of a minute or more); a pipe gets nothing, as before."""
+    from tqdm import tqdm
+    tty = False
+    with contextlib.suppress(OSError, ValueError, AttributeError):   # a closed or missing stderr
+        tty = sys.stderr.isatty()
+    bar = tqdm(total=len(STAGES), desc=what, file=sys.stderr, disable=not tty,
+               bar_format="{desc}: {bar:12} {n}/{total} {postfix} [{elapsed}]", leave=False)
+    done = threading.Event()
+    ticker = threading.Thread(target=lambda: [bar.refresh() for _ in iter(lambda: done.wait(1), True)], daemon=True)
+    ticker.start()
+
+    def stage(name: str) -> None:
+        bar.update(STAGES.index(name) - bar.n)
+        bar.set_postfix_str(name)
+    try:
+        yield stage
+    finally:
+        done.set()
+        ticker.join()
+        bar.close()
+
+
+def build_package(model: Llama, start: int, stop: int, path, k: str,
+                  stage: Callable[[str], None] = lambda name: None) -> None:
     """Export layers [start, stop) with dynamic rows and slots, compile them, keep them at `path` (a
     temporary file first, then renamed: a killed build leaves no half artifact)."""
     from torch.export import Dim
@@ -297,9 +329,12 @@ def build_package(model: Llama, start: int, stop: int, path, k: str) -> None:
             b.attention.attend = graph_attend
         mask = causal_mask(n, T)
         args = (x, cos, sin, kv, kv.clone(), mask, *new_keys(mask, n))
+        stage("export")
         program = torch.export.export(Stack(model, start, stop), args, dynamic_shapes=shapes, strict=False)
+        stage("compile (gcc)")
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp), inductor_configs={**OPTIONS, "aot_inductor.metadata": {"engine_key": k}})
+        stage("trial load")
         trial(tmp, args)
         os.replace(tmp, path)
     finally:

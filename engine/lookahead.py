@@ -232,7 +232,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         if trace:   # before the window moves: the rows this forward saw
             info = {"kind": "lookahead", "position": base + 1, "first": first, "prefill": len(prefix),
                     "x": x, "N": N, "arm": arm, "levels": sent, "parent": parent, "grams": grams,
-                    "best": best, "accepted": m, "next": out[-1]}
+                    "best": best, "accepted": m, "next": out[-1],
+                    "why": getattr(policy, "why", "") if not first else ""}   # the numbers behind the arm
         if w:                                                         # the sent columns move on
             new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (w,) argmax, even sampling
             levels = [moved + level[w:] for moved, level in zip(advance(pool, sent, x, new), levels)]

@@ -60,6 +60,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
             n = len(seq)                                       # position of the first new token
             first = not pair.target_seen                       # the prefill: plain's step (generate.py)
             k = 0 if first else min(policy.k if policy else num_draft, max(end - n - 1, 0))
+            why = getattr(policy, "why", "") if not first else ""   # the numbers behind K, for the trace
             drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream)  # (K, V), (K+1, V)
             if not k:       # a plain step: plain's draw, which is either verification's with no drafts
                 out = [sampler.draw(logits[0], rng, "token", n)]
@@ -76,7 +77,7 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
                 p = sampler.probs(logits)                                            # (K+1, V)
                 u = [rng.uniform("accept" if verify == "rejection" else "token", n + i) for i in range(k)]
                 info = {"kind": "speculative", "position": n, "first": first, "verify": verify,
-                        "adaptive": bool(policy), "greedy": sampler.greedy,
+                        "adaptive": bool(policy), "greedy": sampler.greedy, "why": why,
                         **verdicts(p, q, drafts, out, u, (logits, torch.stack(a[:k])) if k else None)}
             yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k, trace=info,
                        arm=f"K={k}" if policy else "")

@@ -62,6 +62,7 @@ class Tracer:
                f"arm copy ({len(t['grams'][0])} tokens, priced)" if arm == "copy" else f"arm {arm}")
         out = [f"{head} {how}  x={self.show([x])} @{P}"
                + (f"  (after a prefill of {t['prefill']} prompt tokens)" if t["prefill"] else "")]
+        out += [f"  why: {t['why']}"] if t.get("why") else []
         for l, level in enumerate(t["levels"] if W else []):   # level l, column k: position P + l + k
             cells = [x, *level[1:]] if l == 0 else level
             out.append(f"  window level {l} @{P + l}..{P + l + W - 1}: {self.show(cells)}"
@@ -104,6 +105,7 @@ class Tracer:
         out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}"
                + ("  (the prompt's step: plain's)" if t.get("first") else
                   "  (K = 0: a plain step)" if t["k"] == 0 else "")]
+        out += [f"  why: {t['why']}"] if t.get("why") else []
         out += self.drafts(t["drafts"], rule, t.get("greedy", False))
         return out + [self.last(t), f"  emitted {self.show(claimed(t))}"]
 

@@ -352,3 +352,16 @@ def test_the_mask_is_drawn_once_for_each_run_of_one_window_shape(name):
         if not s.trace["first"]:
             shapes.append((len(s.trace["levels"][0]) if s.trace["levels"] else 0, s.trace["N"]))
     assert drawn == sum(a != b for a, b in zip([None] + shapes, shapes)) >= 1
+
+
+@pytest.mark.parametrize("name", ["lookahead auto", "speculative adaptive self-draft"])
+def test_an_adaptive_step_says_the_numbers_that_chose_it(name):
+    # Why: "arm plain" or "K=0" alone does not tell a reader why the policy chose it; each
+    # adaptive step after the prompt's shows the expected tokens per unit of cost behind its
+    # choice. Broken variant run: the decoders' trace without the policy's `why` fails this
+    import re
+    steps, _ = traced_steps(name, Sampler(), n_steps=8)
+    lines = [[line for line in Tracer(letters).lines(n, s.trace) if line.startswith("  why: ")]
+             for n, s in enumerate(steps)]
+    assert not lines[0] and all(len(w) == 1 for w in lines[1:]), lines
+    assert all(re.search(r"\d\.\d\d", w[0]) for w in lines[1:])              # numbers, not a name alone

@@ -135,12 +135,16 @@ def calibrated(model: Llama, folder: Path | None = None, notify: Callable[[str],
                live: Callable[[str], None] | None = None) -> dict[int, float] | None:
     """This machine's table for this model, measured on first use and read back after (`kept`);
     None where it cannot be kept (the policy then prices by policy.SLOPE). A table that
-    contradicts itself is measured again, up to TRIES times in all; `live` hears it at once."""
+    contradicts itself is measured again, up to TRIES times in all (`live` hears it at once);
+    the last, if it still does, is kept as its running maximum over k."""
     def table() -> dict:
         for attempt in range(1, TRIES + 1):
             ratios = measure(model)
             bad = contradiction(ratios)
-            if bad is None or attempt == TRIES:
+            if bad is None:
+                break
+            if attempt == TRIES:   # busy throughout: a k-row forward priced as at least any fewer rows
+                ratios = {k: max(r for j, r in ratios.items() if j <= k) for k in sorted(ratios)}
                 break
             if live:
                 j, k = bad

@@ -115,6 +115,8 @@ class Lookahead:
         full, m, _ = find(text, self.n, self.copy_most)
         copy = full[:self.copier.length(text, full, m, self.arms.best(), room)]
         self.arm = None if copy else self.arms.choose()
+        arms_why = getattr(self.arms, "why", "")            # an Arms stand-in (a test's) may say nothing
+        self.why = self.copier.why if copy else arms_why + (f"; {self.copier.why}" if full else "")
         return Choice(0, 0, copy) if copy else Choice(*self.arms.arms[self.arm], [])
 
     def update(self, tokens: int, rows: int) -> None:
@@ -153,12 +155,22 @@ class Arms:
         """The highest value of the arms tried so far (at least plain's 1)."""
         return max(self.value(a) for a in range(len(self.arms)) if self.last[a] >= 0)
 
+    def name(self, a: int) -> str:
+        w, g = self.arms[a]
+        return f"W{w} G{g}" if w + g else "plain"
+
     def choose(self) -> int:
+        """The arm for this step; `why` says in numbers what chose it (for --trace)."""
         self.step += 1
         for a in sorted(range(len(self.arms)), key=self.nominal.__getitem__):
             if self.step - max(self.last[a], 0) > self.wait[a]:
+                self.why = (f"{self.name(a)} is tried: unchosen for {self.step - max(self.last[a], 0) - 1} steps "
+                            f"(its wait {self.wait[a]} = patience x (its cost {self.nominal[a]:.2f} - 1))")
                 return a                          # not tried for long, or never
-        return max(range(len(self.arms)), key=self.value)
+        best = max(range(len(self.arms)), key=self.value)
+        tried = ", ".join(f"{self.name(a)} {self.value(a):.2f}" for a in range(len(self.arms)) if self.last[a] >= 0)
+        self.why = f"{self.name(best)} has the best tokens per unit of cost ({tried})"
+        return best
 
     def update(self, arm: int, tokens: int, rows: int) -> None:
         self.tokens[arm] = self.decay * self.tokens[arm] + tokens
@@ -196,13 +208,18 @@ class CopyLength:
         self.learn(text)
         if proposal:
             self.pending.append((len(text), n, proposal))
-        best, cut, tokens, alive = beat, 0, 1.0, 1.0
+        best, cut, tokens, alive, priced = beat, 0, 1.0, 1.0, []
         for j in range(min(len(proposal), len(proposal) if room is None else room)):
             a = 0.2 if (n, j) == (1, 0) else 0.5                       # the prior (above)
             alive *= (self.agreed[n, j] + a) / (self.checked[n, j] + 1)
             tokens += alive
+            priced.append(f"K={j + 1}: {tokens:.2f}/{self.cost(j + 2):.2f}")
             if tokens / self.cost(j + 2) > best:
                 best, cut = tokens / self.cost(j + 2), j + 1
+        # for --trace: E(K) / cost(1 + K) of each length, against what it had to beat
+        self.why = (f"copy of {cut} after a {n}-token match: expected tokens / cost {best:.2f} beats {beat:.2f}"
+                    if cut else f"a {n}-token match's copy does not pay ({', '.join(priced) or 'no room'}; "
+                    f"to beat {beat:.2f})") + (f" [{', '.join(priced)}]" if cut else "")
         return cut
 
     def learn(self, text: list[int]) -> None:
@@ -257,6 +274,13 @@ class DraftLength:
         self.accepted, self.trials = 2 * prior, 2.0        # prior alpha, worth 2 trials, forgotten like the rest
         self.first_probe = self.probe = probe
         self.idle = 0                                      # plain steps since the last measurement
+        self.why = self.reason()
+
+    def reason(self) -> str:
+        """K's numbers, for --trace: alpha, each K's tokens per unit of cost at it, against K = 0's 1."""
+        alpha = self.accepted / self.trials
+        rates = ", ".join(f"K={k}: {rate(alpha, k, self.c_draft, self.c_verify):.2f}" for k in range(min(self.most, 4) + 1))
+        return f"alpha {alpha:.2f}, a draft token {self.c_draft:.2f} of a step; tokens per unit of cost {rates}"
 
     def update(self, k: int, accepted: int) -> None:
         if k:
@@ -270,6 +294,8 @@ class DraftLength:
             self.probe = self.first_probe
         elif self.idle >= self.probe:                      # probe: one draft, to measure alpha
             self.k, self.probe = 1, min(2 * self.probe, 8 * self.first_probe)
+        self.why = self.reason() + (f"; K=1 probes alpha after {self.idle} plain steps" if self.k and not
+                                    best_k(self.accepted / self.trials, self.c_draft, self.c_verify, self.most) else "")
 
 
 def costs(target: Llama, draft: Llama | SelfDraft,

@@ -1291,3 +1291,17 @@ def test_a_first_adaptive_run_at_a_terminal_says_it_measures_before_it_measures(
     start = next(i for i, line in enumerate(lines) if "measuring this machine's k-row forward costs once" in line)
     done = next(i for i, line in enumerate(lines) if "measured this machine's forward costs into" in line)
     assert r.returncode == 0 and start < done, lines
+
+
+def test_a_run_says_which_price_table_its_choices_read(ckpt, capsys):
+    # why: a kept table is read back for good, so a user asking why a run chose as it did needs
+    # to know which file priced it: --json names it, --trace says it first. Broken variant run:
+    # priced_by left None (the key names no table) fails this
+    import json as json_
+    from engine.doors.cli import main
+    argv = ["--checkpoint", str(ckpt), "--decoder", "lookahead", "--prompt", "hello", "--max-new-tokens", "3"]
+    assert main(argv + ["--json"]) == 0
+    got = json_.loads(capsys.readouterr().out)["priced_by"]
+    assert got.endswith(".json") and json_.loads(open(got).read())["key"].endswith("checked")
+    assert main(argv + ["--trace"]) == 0
+    assert f"note: prices: the k-row costs in {got}" in capsys.readouterr().err.splitlines()

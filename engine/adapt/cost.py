@@ -152,9 +152,18 @@ def calibrated(model: Llama, folder: Path | None = None, notify: Callable[[str],
                      f"measuring again [{attempt + 1}/{TRIES}]")
         return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in ratios.items()}},
                 "tries": attempt, "contradiction": bad}
-    found = kept(f"{model_key(model)}|{ROW_COUNTS}|{HOW}", table, folder, notify, check=table_from,
+    found = kept(table_key(model), table, folder, notify, check=table_from,
                  live=live, what="k-row forward costs")
     return None if found is None else table_from(*found)
+
+
+def table_key(model: Llama) -> str:
+    return f"{model_key(model)}|{ROW_COUNTS}|{HOW}"
+
+
+def kept_path(key: str, folder: Path | None = None) -> Path:
+    """Where `kept` keeps the measurement under `key`."""
+    return (folder or cache_home() / "engine") / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
 
 
 def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
@@ -222,7 +231,7 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     constants, since a measurement taken anew by every run would let runs print apart.
     """
     folder = folder or cache_home() / "engine"
-    path = folder / f"cost-{hashlib.sha256(key.encode()).hexdigest()[:16]}.json"
+    path = kept_path(key, folder)
     sweep_stale(folder)               # every run, not only one that measures: most read all back
     if path.is_file():
         try:

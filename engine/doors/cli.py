@@ -23,7 +23,7 @@ from pathlib import Path
 
 import torch
 
-from engine.adapt.cost import load_table
+from engine.adapt.cost import kept_path, load_table, table_key
 from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
@@ -57,7 +57,8 @@ it prints them bit for bit (an exact path, or one-row steps only)
   accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
   tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
   and law_of (whose tokens, or only whose law, it must print), load_peak_rss_mb,
-  decode_peak_rss_mb, notes, and draft/draft_mb (speculative) or amateur/amateur_mb (contrastive)
+  decode_peak_rss_mb, notes, priced_by (the k-row cost table an adaptive run read, else null), and
+  draft/draft_mb (speculative) or amateur/amateur_mb (contrastive)
 --trace prints each step on stderr: plain its token; lookahead the window (levels x columns,
 with positions), the mask when its shape changes, the arm, the guesses and what was accepted
 from which; speculative each draft's p(x), q(x), u and verdict; contrastive the expert's
@@ -194,6 +195,11 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     # refused after pricing (a self-draft deeper than the model is the decoder's to say)
     live = (lambda line: warn(f"note: {line}")) if to_terminal(sys.stderr) else None
     p = api_prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live)
+    # which table the choices read: the run's --json and --trace say (a kept table is for good)
+    args.priced_by = ("--cost-table" if args.cost_table is not None else
+                      str(kept_path(table_key(model))) if p.table is not None else "fixed slopes (nothing could be kept)")
+    if args.trace:   # with the run's notes, after its steps: a trace opens with its first step
+        notes.append(f"prices: the k-row costs in {args.priced_by}")
     if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
         own = self_draft(model.config.n_layers)
         pick = pick_draft(model, [(own, Prices(p.table)), (second[0], p)])
@@ -366,6 +372,7 @@ def run(args) -> dict:
             "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
+            "priced_by": getattr(args, "priced_by", None),
             **second_model(args, second), **({"receipt": receipt_} if receipt_ else {})}
 
 

@@ -93,3 +93,25 @@ def user_threads():
 @pytest.fixture
 def model():
     return tiny_llama(0)
+
+
+def at_a_terminal(argv: list[str], env: dict, timeout: int = 300) -> tuple[int, str]:
+    """Run argv with its stderr on a pseudo-terminal 100 columns wide (tqdm draws nothing at 0):
+    (exit code, what the terminal showed)."""
+    import contextlib
+    import fcntl
+    import pty
+    import struct
+    import subprocess
+    import termios
+    master, slave = pty.openpty()
+    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))
+    r = subprocess.run(argv, stdout=subprocess.PIPE, stderr=slave, env=env, timeout=timeout)
+    os.close(slave)
+    seen = b""
+    with contextlib.suppress(OSError):     # EIO once the child's end is closed and drained
+        while chunk := os.read(master, 1 << 16):
+            seen += chunk
+    os.close(master)
+    return r.returncode, seen.decode(errors="replace")
+

@@ -433,26 +433,14 @@ def test_a_build_at_a_terminal_shows_its_stages_and_clock_and_a_pipe_gets_nothin
     # user sees which stage it is in and the clock run, while a pipe (a log, a test) stays as it
     # was. Broken variant run: the bar disabled everywhere leaves the terminal with nothing
     import os
-    import pty
     import subprocess
     import sys
     code = ("import time; from engine.fast import aot\n"
             "with aot.progress('layers 0-1') as stage:\n"
             "    for s in aot.STAGES: stage(s); time.sleep(1.2)\n")
+    from conftest import at_a_terminal
     env = {**os.environ, "PYTHONPATH": os.getcwd()}
-    import fcntl
-    import struct
-    import termios
-    master, slave = pty.openpty()
-    fcntl.ioctl(slave, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 100, 0, 0))   # a terminal's width
-    r = subprocess.run([sys.executable, "-c", code], stderr=slave, env=env, timeout=120)
-    os.close(slave)
-    seen = b""
-    with __import__("contextlib").suppress(OSError):
-        while chunk := os.read(master, 1 << 16):
-            seen += chunk
-    os.close(master)
-    shown = seen.decode(errors="replace")
-    assert r.returncode == 0 and all(s in shown for s in aot.STAGES) and "layers 0-1" in shown and "[00:01]" in shown, shown
+    code_, shown = at_a_terminal([sys.executable, "-c", code], env, timeout=120)
+    assert code_ == 0 and all(s in shown for s in aot.STAGES) and "layers 0-1" in shown and "[00:01]" in shown, shown
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert piped.returncode == 0 and piped.stderr == ""

@@ -1273,24 +1273,15 @@ def test_a_first_adaptive_run_at_a_terminal_says_it_measures_before_it_measures(
     # one error line for a refused request). Broken variant run: live=None in cli.prices leaves
     # the terminal silent until the answer (this test fails)
     import os
-    import pty
-    import subprocess
     import sys
-    master, slave = pty.openpty()
+    from conftest import at_a_terminal
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": os.getcwd()}
-    r = subprocess.run([sys.executable, "-m", "engine.run", "--checkpoint", str(ckpt), "--decoder", "lookahead",
-                        "--prompt", "hello", "--max-new-tokens", "4"], stdout=subprocess.PIPE, stderr=slave,
-                       env=env, timeout=300)
-    os.close(slave)
-    err = b""
-    with __import__("contextlib").suppress(OSError):
-        while chunk := os.read(master, 1 << 16):
-            err += chunk
-    os.close(master)
-    lines = err.decode().splitlines()
+    code, err = at_a_terminal([sys.executable, "-m", "engine.run", "--checkpoint", str(ckpt), "--decoder", "lookahead",
+                               "--prompt", "hello", "--max-new-tokens", "4"], env)
+    lines = err.splitlines()
     start = next(i for i, line in enumerate(lines) if "measuring this machine's k-row forward costs once" in line)
     done = next(i for i, line in enumerate(lines) if "measured this machine's forward costs into" in line)
-    assert r.returncode == 0 and start < done, lines
+    assert code == 0 and start < done, lines
 
 
 def test_a_run_says_which_price_table_its_choices_read(ckpt, capsys):

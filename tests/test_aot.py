@@ -444,3 +444,28 @@ def test_a_build_at_a_terminal_shows_its_stages_and_clock_and_a_pipe_gets_nothin
     assert code_ == 0 and all(s in shown for s in aot.STAGES) and "layers 0-1" in shown and "[00:01]" in shown, shown
     piped = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env, timeout=120)
     assert piped.returncode == 0 and piped.stderr == ""
+
+
+def test_two_first_compiled_runs_at_once_both_answer_and_leave_one_valid_step(tiny_checkpoint, tmp_path):
+    # why: a user's two terminals (or a test runner's workers) may both build the same step and
+    # prepare the same 4-bit weights at once; each writes aside and renames, so both must answer
+    # with the compiled plain's tokens and leave one whole step and one prepared file, which a
+    # third run then loads without building. Broken variant run: build_package writing straight
+    # to its final path (no temporary of its own) ends with no step kept (this test fails)
+    import json as json_
+    import os
+    import subprocess
+    import sys
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": os.getcwd(),
+           "OMP_NUM_THREADS": str(torch.get_num_threads())}
+    argv = [sys.executable, "-m", "engine.run", "--checkpoint", str(tiny_checkpoint), "--int4", "--dtype",
+            "bfloat16", "--compile", "--prompt", "hello world", "--max-new-tokens", "8", "--json"]
+    runs = [subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env) for _ in range(2)]
+    done = [(p.communicate(timeout=900), p.returncode) for p in runs]
+    assert all(code == 0 for _, code in done), [err[-600:] for (_, err), _ in done]
+    tokens = [json_.loads(out)["tokens"] for (out, _), _ in done]
+    folder = tmp_path / "engine"
+    assert tokens[0] == tokens[1] and len(list(folder.glob("step-*.pt2"))) == 1
+    assert len(list(folder.glob("int4-*.safetensors"))) == 1 and not list(folder.glob(".*"))
+    third = subprocess.run(argv, capture_output=True, text=True, env=env, timeout=300)
+    assert third.returncode == 0 and "compiling" not in third.stderr and json_.loads(third.stdout)["tokens"] == tokens[0]

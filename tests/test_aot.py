@@ -250,7 +250,7 @@ def test_a_foreign_or_broken_artifact_is_built_anew_once_and_the_run_after_loads
     want = one_row_steps(aot.compile_step(int4(1), lambda line: None, folder))   # model 1's own step, built once
     target, builds = path_for(other, tmp_path), []
 
-    def fake_build(model, start, stop, path, k):
+    def fake_build(model, start, stop, path, k, stage=None):
         builds.append(path)
         path.write_bytes(good.read_bytes())
     monkeypatch.setattr(aot, "build_package", fake_build)

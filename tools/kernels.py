@@ -67,8 +67,8 @@ def int8_qlinear(w: torch.Tensor):
 
 
 def int4_template(lin: Int4Linear):
-    """The same op through Inductor's C++ GEMM template (max-autotune), weights as constants;
-    one graph per row count, as Inductor chooses its blocking by the static shape."""
+    """The same op through Inductor's C++ GEMM template (max-autotune), weights as constants
+    (the template takes no other); a graph per row count, so each gets the blocking for its own."""
     import torch._inductor.config as ic
 
     class Op(torch.nn.Module):

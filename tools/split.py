@@ -139,10 +139,9 @@ def row_split(model, k: int, context: int = 64, repeats: int = 15) -> dict:
 
 def row_models(checkpoint: Path):
     """The 4-bit path as the CLI runs it, eager, then compiled (built here if it is not yet)."""
+    from engine.doors.session import build
     from engine.fast.aot import compile_step
-    from engine.load.weights import load_model
-    q = quantize_int4(load_model(checkpoint))
-    q = prepack(q, exact_by_default(q))
+    q = build(checkpoint, dtype=torch.bfloat16, int4=True)       # as the CLI loads it
     yield "int4 eager", q
     q = compile_step(q, notify=lambda m: print(f"note: {m}", file=sys.stderr, flush=True))
     if compiled(q) is not None:

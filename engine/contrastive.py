@@ -5,7 +5,7 @@ Li et al. 2022, "Contrastive Decoding: Open-ended Text Generation as Optimizatio
 Reasoning in Large Language Models" (arXiv 2309.09117); speculative contrastive decoding,
 Yuan et al. 2023 (arXiv 2311.08981). Not contrastive *search*, which is another algorithm.
 
-The amateur is a second Llama with the expert's vocabulary, or an int L: the expert's own
+The amateur is a second Llama with the expert's vocabulary, or EarlyExit(L): the expert's own
 first L layers read out through its final norm and LM head (an early exit), taken from the
 expert's forward itself, so it costs one more LM-head row per token and nothing else. Either
 way it is the draft of an `engine/draft.py` pair, and the expert its target.
@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from engine.draft import draft_then_verify, pair_for, verdicts
+from engine.draft import EarlyExit, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_rejection
@@ -58,7 +58,7 @@ def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, be
     return s.masked_fill(e < cutoff, float("-inf"))
 
 
-def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: Sampler,
+def decode(expert: Llama, amateur: Llama | EarlyExit, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, alpha: float = 0.1, beta: float = 1.0,
            amateur_temperature: float = 1.0, form: str = "logit", speculative: bool = False,
            num_draft: int | None = None, trace: bool = False) -> Iterator[Step]:
@@ -82,8 +82,8 @@ def decode(expert: Llama, amateur: Llama | int, prompt: list[int], *, sampler: S
     default, as docs/quality.md chose. `trace` puts each position's expert argmax, pick and
     plausible-set size (and the drafts' verdicts) in `Step.trace` (engine/trace.py prints it).
     """
-    if isinstance(amateur, int) and not 0 <= amateur < expert.config.n_layers:
-        raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur}")
+    if isinstance(amateur, EarlyExit) and not 0 <= amateur.layers < expert.config.n_layers:
+        raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur.layers}")
     scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs
     num_draft = 4 if num_draft is None else num_draft
     if speculative and (type(num_draft) is not int or num_draft < 1):

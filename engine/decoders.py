@@ -15,7 +15,6 @@ from dataclasses import dataclass
 from typing import Callable, NamedTuple
 
 from engine import contrastive, lookahead, lookup, speculative
-from engine.draft import SelfDraft
 from engine.generate import plain
 
 
@@ -32,8 +31,7 @@ class Second(NamedTuple):
     """A decoder's second model, named by one flag: a checkpoint dir or layers:L (an early exit)."""
     flag: str                     # draft | amateur
     default: str
-    help: str
-    early_exit: Callable = int    # layers:L -> what decode() takes for an early exit of the target
+    help: str                     # layers:L is EarlyExit(L) (engine/draft.py) for either decoder
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,7 +72,7 @@ DECODERS = {
         second=Second("draft", "auto", "int4: the target's weights in 4 bits; layers:L: the target's first L "
                       "layers; a checkpoint dir; auto (default): int4 where the cost model says it pays "
                       "(--no-adaptive: where it can be built; never under a SIMD-less kernel dispatch), else "
-                      f"layers:{SELF_DRAFT_LAYERS}", SelfDraft),
+                      f"layers:{SELF_DRAFT_LAYERS}"),
         rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(
         decode=contrastive.decode, sizes=("num_draft",), about="contrastive", held_to="contrastive's",

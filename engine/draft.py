@@ -9,7 +9,7 @@ both share one cache, and the target's check resumes from the draft's layer-L st
 computing only layers [L, n).
 
     pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (api.build(ckpt, int4=True):
-                                                      # the target's weights in 4 bits), or an int L
+                                                      # the target's weights in 4 bits), or EarlyExit(L)
     pair.propose(tokens, positions) -> (V,)           # the draft's logits after the last token
     pair.verify(tokens, positions, rows) -> (rows, V) # the target's logits at the last rows
     pair.rollback(n)                                  # forget every slot from n on
@@ -38,8 +38,10 @@ from engine.sampling import Random, Sampler
 
 
 @dataclass(frozen=True)
-class SelfDraft:
-    layers: int   # the draft is the target's layers [0, layers), then its final norm and LM head
+class EarlyExit:
+    """The cheap model as the target's layers [0, layers), then its final norm and LM head:
+    speculative's self-draft and contrastive's early-exit amateur (`--draft/--amateur layers:L`)."""
+    layers: int
 
 
 def resident_bytes(model: Llama) -> int:
@@ -52,7 +54,7 @@ def resident_bytes(model: Llama) -> int:
         + sum(m.out_features * m.in_features * m.packed.element_size() for m in packed)
 
 
-class Separate:
+class SeparatePair:
     """A draft Llama with its own cache; the target verifies with one ordinary forward."""
 
     def __init__(self, target: Llama, draft: Llama, capacity: int, scratch: int):
@@ -74,7 +76,7 @@ class Separate:
         self.dcache.truncate(min(n, self.dcache.length))  # a last draft never fed to it is not there
 
 
-class EarlyExit:
+class EarlyExitPair:
     """The target's layers [0, L) as the draft, on the target's cache. Exact up to rounding:
     layers < L run in the pieces the draft was fed in, not in one batch of the checked rows."""
 
@@ -131,18 +133,20 @@ def upper(model: Llama, x: Tensor, positions: Tensor, cache: KVCache, start: int
     return x
 
 
-def pair_for(target: Llama, draft: Llama | int, capacity: int, scratch: int) -> Separate | EarlyExit:
-    """The pair for a draft Llama (same vocab) or an early exit after `draft` layers; `scratch`
-    of the `capacity` slots only ever hold one step's drafts (the rest must fit the context)."""
-    if isinstance(draft, int):
-        return EarlyExit(target, draft, capacity, scratch)
+def pair_for(target: Llama, draft: Llama | EarlyExit, capacity: int, scratch: int) -> SeparatePair | EarlyExitPair:
+    """The pair for a draft Llama (same vocab) or an early exit; `scratch` of the `capacity`
+    slots only ever hold one step's drafts (the rest must fit the context)."""
+    if isinstance(draft, EarlyExit):
+        return EarlyExitPair(target, draft.layers, capacity, scratch)
+    if isinstance(draft, int):   # a bare layer count: which decoder's range of L would it be?
+        raise ValueError(f"the cheap model is a Llama or EarlyExit(L), got {draft!r}")
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"vocab {draft.config.vocab_size} != the target's {target.config.vocab_size}: "
                          "the cheap model must speak in the target's token ids")
-    return Separate(target, draft, capacity, scratch)
+    return SeparatePair(target, draft, capacity, scratch)
 
 
-def draft_then_verify(pair: Separate | EarlyExit, seq: list[int], k: int, sampler: Sampler, rng: Random,
+def draft_then_verify(pair: SeparatePair | EarlyExitPair, seq: list[int], k: int, sampler: Sampler, rng: Random,
                       stream: str, bonus_row: bool = False) -> tuple[list[int], Tensor, list[Tensor], Tensor]:
     """The draft proposes k tokens after `seq`, one at a time; the target scores them in one forward.
 

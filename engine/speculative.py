@@ -7,7 +7,7 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   plain sampling's with the same seed, token for token, whatever the draft; it accepts less
   often than rejection sampling (`verify_match` says how much).
 The draft is another Llama with the target's vocab (such as `api.build(checkpoint, int4=True)`,
-the target's own weights in 4 bits), or `SelfDraft(L)`: the target's layers [0, L) + its norm and
+the target's own weights in 4 bits), or `EarlyExit(L)`: the target's layers [0, L) + its norm and
 head (an early exit), sharing the target's weights and KV cache (engine/draft.py). Either way
 the target decides every token: the output is the target's, however good the draft.
 K is fixed (`num_draft`) unless a policy chooses it per step (engine/adapt/policy.py, DraftLength).
@@ -19,13 +19,13 @@ from typing import Iterator
 
 import torch
 
-from engine.draft import SelfDraft, draft_then_verify, pair_for, verdicts
+from engine.draft import EarlyExit, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
 
 
-def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sampler: Sampler,
+def decode(target: Llama, draft: Llama | EarlyExit, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, num_draft: int = 4, verify: str = "rejection",
            policy=None, trace: bool = False) -> Iterator[Step]:
     """Speculative decoding; one Step per target forward (the first is plain's, on the prompt alone).
@@ -47,12 +47,11 @@ def decode(target: Llama, draft: Llama | SelfDraft, prompt: list[int], *, sample
     if type(num_draft) is not int or num_draft < 0:
         raise ValueError(f"need an integer num_draft >= 0, got {num_draft!r}")
     n_layers = target.config.n_layers
-    if isinstance(draft, SelfDraft) and not 1 <= draft.layers <= n_layers:
+    if isinstance(draft, EarlyExit) and not 1 <= draft.layers <= n_layers:
         raise ValueError(f"self-draft layers must be in [1, {n_layers}], got {draft.layers}")
     # a step never drafts past the budget, so K beyond it would only size the cache
     scratch = min(max(num_draft, policy.most if policy else 0), max_new_tokens) + 1
-    pair = pair_for(target, draft.layers if isinstance(draft, SelfDraft) else draft,
-                    len(prompt) + max_new_tokens + scratch, scratch)
+    pair = pair_for(target, draft, len(prompt) + max_new_tokens + scratch, scratch)
     stream = "draft" if verify == "rejection" else "token"
 
     def steps(seq: list[int], end: int) -> Iterator[Step]:

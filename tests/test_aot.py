@@ -16,7 +16,7 @@ import torch
 
 from conftest import prompt_for, run, tiny_llama
 from engine import llama, lookahead, lookup, speculative
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.fast import aot, packed
 from engine.fast.invariant import row_attention
 from engine.generate import plain
@@ -189,7 +189,7 @@ def test_every_decoder_prints_the_compiled_plains_tokens(fast):
     assert run(lookup.decode, fast, prompt, 24, lookup_tokens=6) == want
     itself = lambda target, p, **k: speculative.decode(target, fast, p, **k)   # its own draft
     assert run(itself, fast, prompt, 24, num_draft=3) == want
-    early = lambda target, p, **k: speculative.decode(target, SelfDraft(2), p, **k)   # on the split graphs
+    early = lambda target, p, **k: speculative.decode(target, EarlyExit(2), p, **k)   # on the split graphs
     assert run(early, fast, prompt, 24, num_draft=3) == want
     hot = Sampler(1.0)
     assert run(itself, fast, prompt, 24, sampler=hot, seed=5, num_draft=3, verify="coupled") \
@@ -207,7 +207,7 @@ def test_a_forward_that_decides_tokens_and_ran_eager_is_counted(fast):
     run(lookahead.decode, fast, prompt_for(4, 8, V), 8, window=2, ngram=3, guesses=2, trim_layers=1)
     assert blocks.eager > before
     before = blocks.eager
-    self_draft = lambda target, p, **k: speculative.decode(target, SelfDraft(1), p, **k)   # no graphs
+    self_draft = lambda target, p, **k: speculative.decode(target, EarlyExit(1), p, **k)   # no graphs
     run(self_draft, fast, prompt_for(4, 8, V), 8, num_draft=2)
     assert blocks.eager > before
     before = blocks.eager

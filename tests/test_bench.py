@@ -7,7 +7,7 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 
 
 def test_forward_cost_reports_every_k_for_every_model():
@@ -42,7 +42,7 @@ def test_compare_runs_every_config_and_checks_tokens_against_plain():
     from engine import speculative
     model = tiny_llama(0, vocab=8, n_layers=3)
     configs = {"plain": CONFIGS["plain"], "lookahead W5 N4 G5": CONFIGS["lookahead W5 N4 G5"],
-               "spec": ("speculative", speculative.SelfDraft(1), dict(num_draft=2))}
+               "spec": ("speculative", speculative.EarlyExit(1), dict(num_draft=2))}
     prompts = {"a": [[1, 2, 3, 1, 2]], "b": [[4, 5], [6]]}
     table = compare(model, prompts, configs, repeats=1, max_new_tokens=12)
     for name in configs:
@@ -86,7 +86,7 @@ def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
     other = tiny_llama(1, vocab=8)                     # "compiled": another model, other tokens
     monkeypatch.setattr(bench, "build", lambda *a, **k: other)
     monkeypatch.setattr(bench, "compile_step", lambda model, notify, splits: model)
-    monkeypatch.setitem(bench.CONFIGS, "speculative L=20 adaptive", ("speculative", SelfDraft(1), dict(adaptive=True)))
+    monkeypatch.setitem(bench.CONFIGS, "speculative L=20 adaptive", ("speculative", EarlyExit(1), dict(adaptive=True)))
     configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
     assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile",
                             "speculative L=20 adaptive --compile", "plain again --compile"}
@@ -208,7 +208,7 @@ def test_host_split_counts_every_forward_and_restores_the_model():
     from engine.llama import Llama
     model = tiny_llama(0, vocab=8, n_layers=3)
     before = (Llama.blocks, Llama.head)
-    configs = {"plain": CONFIGS["plain"], "spec": ("speculative", speculative.SelfDraft(1), dict(num_draft=2))}
+    configs = {"plain": CONFIGS["plain"], "spec": ("speculative", speculative.EarlyExit(1), dict(num_draft=2))}
     split = host_split(model, [1, 2, 3, 1, 2], configs, max_new_tokens=8, repeats=1)
     assert set(split) == {"plain", "spec"}
     for s in split.values():

@@ -9,6 +9,7 @@ from hypothesis import example, given, strategies as st
 
 from conftest import DEVICE, tiny_llama
 from engine import contrastive
+from engine.draft import EarlyExit
 from engine.generate import generate, plain
 from engine.sampling import Random, Sampler
 
@@ -31,7 +32,7 @@ def run(expert, amateur, prompt, n, **knobs):
 
 def amateur_for(kind, seed):
     # a separate, smaller-and-different Llama, or the expert's first layer (early exit)
-    return tiny_llama(seed + 1, n_layers=1) if kind == "model" else 1
+    return tiny_llama(seed + 1, n_layers=1) if kind == "model" else EarlyExit(1)
 
 
 # --------------------------------------------------------------------------- the scores
@@ -209,7 +210,7 @@ def test_sampling_draws_position_keyed_tokens_from_the_contrastive_law(kind):
         if kind == "model":
             a = amateur(x, pos)[0, -1]
         else:
-            a = expert.head(expert.blocks(expert.tok_embeddings(x), pos, stop=amateur))[0, -1]
+            a = expert.head(expert.blocks(expert.tok_embeddings(x), pos, stop=amateur.layers))[0, -1]
         p = sampler.probs(contrastive.scores(e, a, **knobs))
         seq.append(rng.categorical(p, "token", len(seq)))
     assert got == seq[len(prompt):]
@@ -220,6 +221,8 @@ def test_bad_amateurs_are_clear_errors():
     with pytest.raises(ValueError, match="vocab"):
         run(expert, tiny_llama(1, vocab=32), [1], 2)
     with pytest.raises(ValueError, match="early-exit"):
-        run(expert, expert.config.n_layers, [1], 2)
+        run(expert, EarlyExit(expert.config.n_layers), [1], 2)
+    with pytest.raises(ValueError, match="EarlyExit"):
+        run(expert, 1, [1], 2)                # a bare layer count is not an early exit
     with pytest.raises(ValueError, match="form"):
-        run(expert, 1, [1], 2, form="ratios")
+        run(expert, EarlyExit(1), [1], 2, form="ratios")

@@ -19,7 +19,7 @@ import torch
 from conftest import tiny_llama
 from engine import lookahead, speculative
 from engine.adapt import cost, policy
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.fast import artifacts
 from engine.generate import generate
 from engine.llama import Llama
@@ -66,8 +66,8 @@ DECODERS = {
         m, tiny_llama(7, vocab=6, n_layers=1), PROMPT, sampler=Sampler(1.0), rng=Random(5), max_new_tokens=40,
         policy=policy.for_speculative(m, tiny_llama(7, vocab=6, n_layers=1), policy.Prices(), {})),
     "speculative adaptive, self-draft": lambda m: speculative.decode(
-        m, SelfDraft(1), PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40,
-        policy=policy.for_speculative(m, SelfDraft(1), policy.Prices(), {})),
+        m, EarlyExit(1), PROMPT, sampler=Sampler(), rng=Random(0), max_new_tokens=40,
+        policy=policy.for_speculative(m, EarlyExit(1), policy.Prices(), {})),
 }
 
 

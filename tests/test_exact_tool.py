@@ -3,7 +3,7 @@ import pytest
 
 from conftest import tiny_llama
 from engine.decoders import DECODERS
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.generate import Step, plain
 from tools.exact import Run, compare, sweep
 
@@ -42,7 +42,7 @@ def test_sweep_finds_exact_decoders_identical_and_catches_a_flipped_token():
     model = tiny_llama(0, vocab=16, n_layers=2)
     la, sp = DECODERS["lookahead"], DECODERS["speculative"]
     rows = [Run("lookahead", la.decode, (), lambda m: {"window": 3, "ngram": 3, "guesses": 3}),
-            Run("speculative coupled", sp.decode, (SelfDraft(1),), lambda m: {"num_draft": 3, "verify": "coupled"}),
+            Run("speculative coupled", sp.decode, (EarlyExit(1),), lambda m: {"num_draft": 3, "verify": "coupled"}),
             Run("broken", broken)]
     out = sweep(model, PROMPTS, (), 10, rows)
     for name in ("lookahead", "speculative coupled"):

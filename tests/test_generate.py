@@ -1,4 +1,5 @@
 """generate() is the only code that knows the budget and EOS: it must cut exactly."""
+from engine.draft import EarlyExit
 from engine.generate import Stats, Step, generate, plain
 from engine.sampling import Random, Sampler
 from conftest import DEVICE, tiny_llama
@@ -101,7 +102,7 @@ def test_a_decoder_sends_k_row_forwards_exactly_where_its_registry_line_says():
     # disclaim (run.promise); that must be what the decoder does: after its prompt, only one-row
     # forwards through the target's layers where one_row(knobs), and some k-row ones elsewhere
     from engine.decoders import DECODERS
-    for name, second, knobs, target, calls in hooked(cases() + [("contrastive", (1,), {})]):
+    for name, second, knobs, target, calls in hooked(cases() + [("contrastive", (EarlyExit(1),), {})]):
         list(generate(DECODERS[name].decode(target, *second, PROMPT, sampler=Sampler(), rng=Random(0),
                                             max_new_tokens=8, **knobs), max_new_tokens=8))
         rows = [T for T, cached, *_ in calls if cached > 0]   # after the prompt's forwards
@@ -113,16 +114,15 @@ PROMPT = [3, 4, 5, 6, 7, 3, 4, 5, 6, 7, 3, 4, 5]   # it repeats itself: lookup a
 
 def cases() -> list[tuple]:
     """(decoder, its second model, its knobs): one case per registry line at least."""
-    from engine.draft import SelfDraft
     from engine.adapt.policy import CopyLength, DraftLength, Lookahead
     rows = lambda k: 1.0 + 0.01 * k                      # cheap rows: every policy sends guesses
     return [("plain", (), {}), ("lookahead", (), {"window": 3, "ngram": 3}),
             ("lookahead", (), {"window": 3, "ngram": 3, "trim_layers": 1}),
             ("lookahead", (), {"policy": Lookahead(rows, 4)}), ("lookup", (), {}),
-            ("lookup", (), {"policy": CopyLength(rows)}), ("speculative", (SelfDraft(1),), {}),
+            ("lookup", (), {"policy": CopyLength(rows)}), ("speculative", (EarlyExit(1),), {}),
             ("speculative", ("model",), {"num_draft": 3}),
-            ("speculative", (SelfDraft(1),), {"policy": DraftLength(4, 6, 0.1, rows)}),
-            ("contrastive", (1,), {"speculative": True}), ("contrastive", ("model",), {"speculative": True})]
+            ("speculative", (EarlyExit(1),), {"policy": DraftLength(4, 6, 0.1, rows)}),
+            ("contrastive", (EarlyExit(1),), {"speculative": True}), ("contrastive", ("model",), {"speculative": True})]
 
 
 def hooked(cases: list[tuple]):

@@ -33,6 +33,7 @@ from jinja2.sandbox import ImmutableSandboxedEnvironment
 import tools.convert
 from engine.decoders import DECODERS
 from engine.doors.cli import main as run_main
+from engine.draft import EarlyExit
 from engine.kvcache import KVCache
 from engine.load import template
 from engine.load.tokenizer import Tokenizer
@@ -703,9 +704,9 @@ def decoders_on(model):
         "plain past the context": lambda: plain(model, [1] * 2000, **common(100)),
         "window 10^9": lambda: lookahead.decode(model, [1, 2], window=10**9, **common()),
         "window 2.5": lambda: lookahead.decode(model, [1, 2], window=2.5, **common()),
-        "num_draft 2.5": lambda: speculative.decode(model, speculative.SelfDraft(1), [1], num_draft=2.5, **common()),
-        "amateur tau 1e-310": lambda: contrastive.decode(model, 1, [1], amateur_temperature=1e-310, **common()),
-        "amateur num_draft 0": lambda: contrastive.decode(model, 1, [1], speculative=True, num_draft=0, **common()),
+        "num_draft 2.5": lambda: speculative.decode(model, EarlyExit(1), [1], num_draft=2.5, **common()),
+        "amateur tau 1e-310": lambda: contrastive.decode(model, EarlyExit(1), [1], amateur_temperature=1e-310, **common()),
+        "amateur num_draft 0": lambda: contrastive.decode(model, EarlyExit(1), [1], speculative=True, num_draft=0, **common()),
     }
 
 

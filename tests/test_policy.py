@@ -18,7 +18,7 @@ from engine import lookahead, lookup, speculative
 from engine.adapt import policy
 from conftest import int4_copy
 from engine.adapt.policy import Prices, best_k
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.generate import generate, plain
 from engine.lookup import find
 from engine.sampling import Random, Sampler
@@ -123,9 +123,9 @@ def test_self_draft_costs_follow_the_model_shapes():
     # Why: the tuner's prices for an early exit: a draft token reads layers [0, L) and the head,
     # the check reads the other layers; with L = all layers a draft costs a whole forward.
     model = tiny_llama(0, n_layers=4)
-    c_draft, c_verify, _ = policy.costs(model, SelfDraft(4))
+    c_draft, c_verify, _ = policy.costs(model, EarlyExit(4))
     assert c_draft == pytest.approx(1.0) and c_verify(0) == pytest.approx(1.0)
-    c_draft, c_verify, _ = policy.costs(model, SelfDraft(2))
+    c_draft, c_verify, _ = policy.costs(model, EarlyExit(2))
     assert 0.5 < c_draft < 1 and c_verify(0) == pytest.approx(1.0)
 
 
@@ -152,7 +152,7 @@ def test_pays_ranks_drafts_by_tokens_per_unit_of_cost(c, want):
     # forward a token the 4-bit copy wins (prior 0.9); at 0.9 it loses to a 1-of-2-layer exit.
     target = tiny_llama(1, hidden=64)
     copy4, exit1 = policy.pays(target, int4_copy(target), Prices({1: 1.0, 8: 1.2}, c)), \
-        policy.pays(target, SelfDraft(1), Prices({1: 1.0, 8: 1.2}))
+        policy.pays(target, EarlyExit(1), Prices({1: 1.0, 8: 1.2}))
     assert (copy4 > exit1) == (want == "int4") and min(copy4, exit1) >= 1.0
 
 
@@ -493,7 +493,7 @@ def k_done_as_said(steps, said: Said, n: int) -> list[str]:
 def test_speculative_drafts_the_k_its_policy_says(kind):
     # Why: the K the policy states is the K drafted (cut only by the budget), and it is told the
     # step's true K and acceptance; scripted, every K up to 16 is asked, beyond a tiny test's reach.
-    target, draft = tiny_llama(0, n_layers=3), SelfDraft(2)
+    target, draft = tiny_llama(0, n_layers=3), EarlyExit(2)
     inner = policy.draft_length(target, draft, Prices({1: 1.0, 32: 1.1})) if kind == "real" else ScriptedK(16)
     said = Said(inner)
     steps = spec_steps(target, draft, said, n=120)
@@ -507,7 +507,7 @@ def test_speculative_drafts_the_k_its_policy_says(kind):
 
 def test_a_k_not_as_said_is_caught():
     # the broken variant: the decoder drafts one more than the policy said, where it can
-    target, draft = tiny_llama(0, n_layers=3), SelfDraft(2)
+    target, draft = tiny_llama(0, n_layers=3), EarlyExit(2)
     said = Said(ScriptedK(6))
     bad = broken(speculative, "min(policy.k if policy else num_draft, max(end - n - 1, 0))",
                  "min((policy.k + 1) if policy else num_draft, max(end - n - 1, 0), 7)")

@@ -12,6 +12,7 @@ import torch
 from conftest import tiny_llama, unnamed_decoders
 from engine import contrastive, lookahead, lookup, speculative
 from engine.adapt import policy
+from engine.draft import EarlyExit
 from conftest import int4_copy
 from engine.generate import plain
 from engine.sampling import Sampler
@@ -140,8 +141,8 @@ def cd_law(amateur, form="logit"):
             tokens = torch.tensor([PROMPT + list(prefix)])
             pos = torch.arange(tokens.shape[1])
             e = TARGET(tokens, pos)[0, -1]
-            if isinstance(amateur, int):
-                a = TARGET.head(TARGET.blocks(TARGET.tok_embeddings(tokens), pos, stop=amateur))[0, -1]
+            if isinstance(amateur, EarlyExit):
+                a = TARGET.head(TARGET.blocks(TARGET.tok_embeddings(tokens), pos, stop=amateur.layers))[0, -1]
             else:
                 a = amateur(tokens, pos)[0, -1]
             return sampler.probs(contrastive.scores(e, a, 0.1, 0.5, form, 0.8))
@@ -162,7 +163,7 @@ ENTRIES = {
     "plain": (plain_run, target_law, 3),
     "speculative K=1": (spec_run(DRAFT, 1), target_law, 3),
     "speculative K=2": (spec_run(DRAFT, 2), target_law, 4),
-    "speculative self-draft L=1 K=2": (spec_run(speculative.SelfDraft(1), 2), target_law, 4),
+    "speculative self-draft L=1 K=2": (spec_run(EarlyExit(1), 2), target_law, 4),
     "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
     "speculative K by the last step's acceptance": (spec_by_acceptance, target_law, 4),
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 4),
@@ -178,9 +179,9 @@ ENTRIES = {
     "lookahead adaptive N=2, rows free from 6": (la_adaptive(STEERED, 2), target_law, 4),
     "lookup adaptive copy length, rows free": (lu_adaptive(FREE), target_law, 4),
     "contrastive, separate amateur": (cd_run(DRAFT), cd_law(DRAFT), 3),
-    "contrastive ratio form, early exit L=1": (cd_run(1, form="ratio"), cd_law(1, "ratio"), 3),
+    "contrastive ratio form, early exit L=1": (cd_run(EarlyExit(1), form="ratio"), cd_law(EarlyExit(1), "ratio"), 3),
     "speculative contrastive K=2": (cd_run(DRAFT, K=2), cd_law(DRAFT), 4),
-    "speculative contrastive early exit L=2 K=1": (cd_run(2, K=1), cd_law(2), 3),
+    "speculative contrastive early exit L=2 K=1": (cd_run(EarlyExit(2), K=1), cd_law(EarlyExit(2)), 3),
 }
 
 

@@ -11,8 +11,8 @@ from conftest import DEVICE, tiny_llama
 from engine import speculative
 from conftest import int4_copy
 from engine.adapt.policy import DraftLength
-from engine.draft import Separate
-from engine.draft import SelfDraft
+from engine.draft import SeparatePair
+from engine.draft import EarlyExit
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler
@@ -40,7 +40,7 @@ def make_pair(kind, seed):
         return target, tiny_llama(seed % 5 + 7)
     if kind == "near":
         return target, near_copy(target, seed)
-    return target, SelfDraft(1 + seed % target.config.n_layers)    # layers:L, L < n_layers or all
+    return target, EarlyExit(1 + seed % target.config.n_layers)    # layers:L, L < n_layers or all
 
 
 def run(steps, budget, eos=(), stats=None):
@@ -120,7 +120,7 @@ def test_a_self_drafts_k_zero_step_is_the_targets_own_forward(monkeypatch):
     # whole stack (under --compile, plain's own graph rather than the two halves'), with plain's
     # tokens. Caught broken variant: sending it through the early exit's halves (lower ran)
     monkeypatch.setattr("engine.draft.lower", lambda *a: pytest.fail("a K = 0 step ran the early exit"))
-    assert same_as_plain("self", 3, 0, 5, 12)                   # SelfDraft(2) of 2 layers, then 1
+    assert same_as_plain("self", 3, 0, 5, 12)                   # EarlyExit(2) of 2 layers, then 1
     assert same_as_plain("self", 4, 0, 5, 12)
 
 
@@ -224,9 +224,9 @@ def test_a_draft_with_another_vocab_is_a_clear_error():
     with pytest.raises(ValueError, match="vocab"):
         decode(tiny_llama(0), tiny_llama(1, vocab=32), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4)
     with pytest.raises(ValueError, match="layers"):
-        decode(tiny_llama(0), SelfDraft(3), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4)
+        decode(tiny_llama(0), EarlyExit(3), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4)
     with pytest.raises(ValueError, match="verify"):
-        decode(tiny_llama(0), SelfDraft(1), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4, verify="x")
+        decode(tiny_llama(0), EarlyExit(1), [1], sampler=GREEDY, rng=Random(0), max_new_tokens=4, verify="x")
 
 
 # --------------------------------------------------------------------------- the tests have teeth
@@ -246,9 +246,9 @@ def keep_one_stale_slot(self, n):                        # the first rejected dr
 
 MUTANTS = {
     "accept without comparing": ("verify_rejection", accept_blindly),
-    "draft cache not truncated": ("Separate.rollback", forget_draft_rollback),
-    "truncate one slot too late": ("Separate.rollback", keep_one_stale_slot),
-    "verify rows off by one": ("Separate.verify", lambda self, tokens, positions, rows: self.target(
+    "draft cache not truncated": ("SeparatePair.rollback", forget_draft_rollback),
+    "truncate one slot too late": ("SeparatePair.rollback", keep_one_stale_slot),
+    "verify rows off by one": ("SeparatePair.verify", lambda self, tokens, positions, rows: self.target(
         tokens, positions, self.tcache, keep=torch.arange(-rows - 1, -1))[0]),
 }
 
@@ -264,7 +264,7 @@ def caught(*case):
 def test_greedy_equality_catches_broken_variants(mutant, monkeypatch):
     # Why: a property that a wrong decoder also passes proves nothing.
     name, fake = MUTANTS[mutant]
-    owner = Separate if "." in name else speculative
+    owner = SeparatePair if "." in name else speculative
     monkeypatch.setattr(owner, name.split(".")[-1], fake)
     assert any(caught(kind, seed, 4, 3, 12) for kind in ("other", "near") for seed in range(4))
 

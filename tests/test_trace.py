@@ -10,7 +10,7 @@ from conftest import tiny_llama, unnamed_decoders
 from engine import contrastive, lookahead, lookup, speculative
 from engine.adapt import policy
 from engine.decoders import DECODERS
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.generate import generate, plain
 from engine.sampling import Random, Sampler
 from engine.trace import Tracer, claimed, traced
@@ -32,12 +32,12 @@ TRACED = {   # label naming its registry decoder -> (sampler, rng, trace) -> ste
     "speculative coupled": lambda s, r, t: speculative.decode(
         TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=2, verify="coupled", trace=t),
     "speculative adaptive self-draft": lambda s, r, t: speculative.decode(
-        TARGET, SelfDraft(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
-        policy=policy.draft_length(TARGET, SelfDraft(1))),
+        TARGET, EarlyExit(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
+        policy=policy.draft_length(TARGET, EarlyExit(1))),
     "contrastive": lambda s, r, t: contrastive.decode(
         TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
     "speculative contrastive": lambda s, r, t: contrastive.decode(
-        TARGET, 1, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, speculative=True, num_draft=2, trace=t),
+        TARGET, EarlyExit(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, speculative=True, num_draft=2, trace=t),
 }
 
 

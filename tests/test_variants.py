@@ -19,6 +19,7 @@ from conftest import run
 from engine import llama
 from engine.decoders import DECODERS
 from engine.doors.cli import main
+from engine.draft import EarlyExit
 from engine.fast.packed import prepack, quantize_int4
 from engine.generate import generate, plain
 from engine.kvcache import KVCache
@@ -261,7 +262,7 @@ def decoded(name, model, prompt, n):
     """Greedy tokens of decoder `name` with its default knobs; a second model is the target's
     first layer (speculative's self-draft, contrastive's amateur at beta 0, where it is plain)."""
     d = DECODERS[name]
-    second = () if d.second is None else (d.second.early_exit(1),)
+    second = () if d.second is None else (EarlyExit(1),)
     steps = d.decode(model, *second, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=n,
                      **({"beta": 0.0} if name == "contrastive" else {}))
     return list(generate(steps, max_new_tokens=n))

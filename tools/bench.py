@@ -30,7 +30,7 @@ import torch
 from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
 from engine.doors.session import build, prices as api_prices
-from engine.draft import SelfDraft, resident_bytes
+from engine.draft import EarlyExit, resident_bytes
 from engine.fast.aot import compile_step
 from engine.fast.packed import exact_by_default, prepack, quantize_int4
 from engine.generate import Stats, Step, generate
@@ -237,8 +237,8 @@ CONFIGS = {
     "lookahead auto": ("lookahead", None, dict(adaptive=True)),
     # the paper's GPU setting: 120 window and guess rows per forward, for its tokens per forward
     "lookahead W15 N5 G15": ("lookahead", None, dict(window=15, ngram=5, guesses=15)),
-    "speculative L=12 K=3": ("speculative", SelfDraft(12), dict(num_draft=3)),
-    "speculative L=20 adaptive": ("speculative", SelfDraft(20), dict(adaptive=True)),
+    "speculative L=12 K=3": ("speculative", EarlyExit(12), dict(num_draft=3)),
+    "speculative L=20 adaptive": ("speculative", EarlyExit(20), dict(adaptive=True)),
     "lookup": ("lookup", None, dict(adaptive=True)),     # as the CLI runs it: copies cut to what pays
     "lookup K=8": ("lookup", None, {}),                      # the textbook: 8 tokens at every match
     # plain once more, later in each round: its cells are the noise every other row sits in

@@ -34,7 +34,7 @@ import torch
 from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
 from engine.doors.session import prices
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.fast.invariant import rows_round_alike
 from engine.generate import generate
 from engine.kvcache import KVCache
@@ -52,7 +52,7 @@ KINDS = ("int4", "bf16", "fp32", "int4-compiled")
 class Run:
     name: str
     decode: Callable                    # decode(model, *second, prompt, sampler=, rng=, ...)
-    second: tuple = ()                  # the second model: a SelfDraft or an early-exit int
+    second: tuple = ()                  # the second model: a EarlyExit or an early-exit int
     knobs: Callable = lambda model: {}  # model -> keywords, built afresh per run (a policy learns)
     modes: tuple = tuple(MODES)
 
@@ -61,7 +61,7 @@ def runs() -> list[Run]:
     """Every decoder but plain, textbook and with its policy priced as the CLI prices it (the
     CLI's default: this machine's measured costs, engine.doors.session.prices)."""
     la, lu, sp, cd = (DECODERS[n] for n in ("lookahead", "lookup", "speculative", "contrastive"))
-    draft = SelfDraft(20)               # the target's first 20 of 30 layers
+    draft = EarlyExit(20)               # the target's first 20 of 30 layers
     return [
         Run("lookahead W5 N4 G5", la.decode, (), lambda m: {"window": 5, "ngram": 4, "guesses": 5}),
         Run("lookahead policy", la.decode, (), lambda m: {"policy": POLICIES["lookahead"].build(m, prices(m), {})}),
@@ -72,7 +72,7 @@ def runs() -> list[Run]:
         Run("speculative K4 coupled", sp.decode, (draft,), lambda m: {"num_draft": 4, "verify": "coupled"}),
         Run("speculative policy coupled", sp.decode, (draft,),
             lambda m: {"verify": "coupled", "policy": POLICIES["speculative"].build(m, draft, prices(m, draft), {})}),
-        Run("contrastive beta=0 K3 amateur 8", cd.decode, (8,),
+        Run("contrastive beta=0 K3 amateur 8", cd.decode, (EarlyExit(8),),
             lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
     ]
 

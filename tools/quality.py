@@ -26,6 +26,7 @@ from pathlib import Path
 import torch
 
 from engine.decoders import DECODERS
+from engine.draft import EarlyExit
 from engine.generate import generate
 from engine.llama import Llama
 from tools.cli import Parser, first, at_most, out_dir, write_atomic
@@ -125,7 +126,7 @@ def decode_one(model: Llama, cfg: Config, prompt: list[int], seed: int, max_new_
     if cfg.amateur is None:
         steps = DECODERS["plain"].decode(model, prompt, **common)
     else:
-        steps = DECODERS["contrastive"].decode(model, cfg.amateur, prompt, **common, **cfg.knobs)
+        steps = DECODERS["contrastive"].decode(model, EarlyExit(cfg.amateur), prompt, **common, **cfg.knobs)
     return list(generate(steps, max_new_tokens=max_new_tokens, eos_ids=eos_ids))
 
 

@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.llama import Llama
 from engine.lookup import find
 
@@ -298,7 +298,7 @@ class DraftLength:
                                     best_k(self.accepted / self.trials, self.c_draft, self.c_verify, self.most) else "")
 
 
-def costs(target: Llama, draft: Llama | SelfDraft,
+def costs(target: Llama, draft: Llama | EarlyExit,
           prices: Prices = Prices()) -> tuple[float, Callable[[int], float], float]:
     """(cost of one draft token, K -> cost of the verifying forward, prior alpha), in units of a
     one-row target forward. Without a measured `prices.draft`, a draft of the target's own
@@ -309,7 +309,7 @@ def costs(target: Llama, draft: Llama | SelfDraft,
     (4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md).
     """
     rows = row_cost(target, prices.table)
-    if isinstance(draft, SelfDraft):       # layers < L: 1 row per draft; the rest on K+1 rows
+    if isinstance(draft, EarlyExit):       # layers < L: 1 row per draft; the rest on K+1 rows
         lower = layer_share(target, draft.layers)
         head = 1 - layer_share(target, target.config.n_layers)
         return lower + head, lambda k: lower + (1 - lower) * rows(k + 1), 0.5
@@ -323,14 +323,14 @@ def costs(target: Llama, draft: Llama | SelfDraft,
     return c, lambda k: rows(k + 1), 0.9 if copy else 0.5
 
 
-def four_bit_copy(target: Llama, draft: Llama | SelfDraft) -> bool:
+def four_bit_copy(target: Llama, draft: Llama | EarlyExit) -> bool:
     """Whether `draft` has the target's config in 4-bit layers (--draft int4, or a 4-bit target's
     own checkpoint as its draft): its price is measured (engine/adapt/cost.py, draft_price)."""
     return isinstance(draft, Llama) and draft.config == target.config \
         and type(draft.layers[0].feed_forward.w13).__name__ == "Int4Linear"
 
 
-def draft_length(target: Llama, draft: Llama | SelfDraft, prices: Prices = Prices(),
+def draft_length(target: Llama, draft: Llama | EarlyExit, prices: Prices = Prices(),
                  start: int | None = None, most: int = 16) -> DraftLength:
     """Speculative decoding's policy; it starts at `start`, or where the prior and prices say
     (K = 0 for a draft that costs most of a forward)."""
@@ -339,13 +339,13 @@ def draft_length(target: Llama, draft: Llama | SelfDraft, prices: Prices = Price
     return DraftLength(k, most, c_draft, c_verify, prior)
 
 
-def pays(target: Llama, draft: Llama | SelfDraft, prices: Prices = Prices()) -> float:
+def pays(target: Llama, draft: Llama | EarlyExit, prices: Prices = Prices()) -> float:
     """Tokens per unit of cost at the draft's prior alpha and its best K (1.0: plain's pace)."""
     c_draft, c_verify, prior = costs(target, draft, prices)
     return rate(prior, best_k(prior, c_draft, c_verify, 16), c_draft, c_verify)
 
 
-def pick_draft(target: Llama, drafts: list[tuple[Llama | SelfDraft, Prices]]) -> Llama | SelfDraft:
+def pick_draft(target: Llama, drafts: list[tuple[Llama | EarlyExit, Prices]]) -> Llama | EarlyExit:
     """--draft auto: of (draft, its prices) pairs, the draft that `pays` most; the first of equals."""
     return max(drafts, key=lambda d: pays(target, *d))[0]
 
@@ -373,7 +373,7 @@ def for_lookup(model: Llama, prices: Prices, knobs: dict) -> CopyLength:
     return CopyLength(doubted(row_cost(model, prices.table)))
 
 
-def for_speculative(target: Llama, draft: Llama | SelfDraft, prices: Prices, knobs: dict) -> DraftLength:
+def for_speculative(target: Llama, draft: Llama | EarlyExit, prices: Prices, knobs: dict) -> DraftLength:
     return draft_length(target, draft, prices, start=knobs.get("num_draft"))
 
 

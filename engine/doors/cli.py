@@ -29,7 +29,7 @@ from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
 from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
                                   prices as api_prices, wire)
-from engine.draft import SelfDraft, resident_bytes
+from engine.draft import EarlyExit, resident_bytes
 from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate, plain
 from engine.kvcache import ATEN_CAPABILITY
@@ -174,11 +174,11 @@ def models(args, ckpt) -> tuple:
         raise ValueError(why)
     if not spec.startswith("layers:"):
         return (load(spec, args),)
-    return (d.second.early_exit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
+    return (EarlyExit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
 
 
-def self_draft(n_layers: int) -> SelfDraft:
-    return SelfDraft(min(SELF_DRAFT_LAYERS, max(n_layers - 1, 1)))
+def self_draft(n_layers: int) -> EarlyExit:
+    return EarlyExit(min(SELF_DRAFT_LAYERS, max(n_layers - 1, 1)))
 
 
 def knobs(args) -> dict:
@@ -314,9 +314,8 @@ def run(args) -> dict:
     model = load(ckpt, args)
     second, notes = models(args, ckpt), clamps    # a bad --draft or --amateur fails before measuring
     if args.compile:   # built once per machine and model (said as it goes), then loaded
-        early = second[0] if second and isinstance(second[0], (int, SelfDraft)) else None
-        model = compile_step(model, lambda line: warn(f"note: {line}"),
-                             splits=[early.layers if isinstance(early, SelfDraft) else early] if early else [])
+        early = [second[0].layers] if second and isinstance(second[0], EarlyExit) else []
+        model = compile_step(model, lambda line: warn(f"note: {line}"), splits=early)
     d, given = DECODERS[args.decoder], knobs(args)
     # a policy is priced by this machine's costs (a note says where they went); --draft auto picks here
     steps, given, second = wire(args.decoder, model, second, prompt, given, adaptive=args.adaptive,
@@ -392,7 +391,7 @@ def second_model(args, second: tuple) -> dict:
     flag = DECODERS[args.decoder].second.flag
     m, spec = second[0], getattr(args, flag)
     if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
-        return {flag: f"layers:{m.layers if isinstance(m, SelfDraft) else m}", f"{flag}_mb": 0.0}
+        return {flag: f"layers:{m.layers}", f"{flag}_mb": 0.0}
     name = "int4" if spec in ("int4", "auto") else spec
     return {flag: name, f"{flag}_mb": round(resident_bytes(m) / 2**20, 1)}
 

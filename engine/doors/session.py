@@ -16,7 +16,7 @@ import torch
 from engine.adapt.cost import calibrated, draft_price, probed
 from engine.adapt.policy import Prices, adaptive as policy_for, four_bit_copy
 from engine.decoders import DECODERS
-from engine.draft import SelfDraft
+from engine.draft import EarlyExit
 from engine.fast.aot import compile_step, compiled
 from engine.fast.invariant import row_attention
 from engine.fast.packed import exact_by_default, packs, prepack
@@ -144,10 +144,9 @@ def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: di
 def compile_early_exit(model: Llama, second, notify: Callable[[str], None]) -> None:
     """An early exit's two halves (a self-draft's or an amateur's layers) compiled beside the
     whole stack, when the model's step is compiled and they are not yet."""
-    L = second.layers if isinstance(second, SelfDraft) else second
     stack = compiled(model)
-    if isinstance(L, int) and not isinstance(L, bool) and stack is not None and (0, L) not in stack.runners:
-        compile_step(model, notify, splits=[L])
+    if isinstance(second, EarlyExit) and stack is not None and (0, second.layers) not in stack.runners:
+        compile_step(model, notify, splits=[second.layers])
 
 
 def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:

@@ -29,7 +29,7 @@ is `generate()`'s job), so an EOS may sit in the window like any other token.
 from __future__ import annotations
 
 from collections import OrderedDict
-from typing import Iterator
+from typing import Iterator, NamedTuple
 
 import torch
 from torch import Tensor
@@ -83,12 +83,22 @@ def init_window(prompt: list[int], W: int, N: int) -> list[list[int]]:
     return [[prompt[(l + k) % len(prompt)] for k in range(W)] for l in range(N - 1)]
 
 
-def layout(x: int, levels: list[list[int]], grams: list[tuple[int, ...]]):
-    """The step's rows: tokens, parent row (-1 for x), newest-level rows, each guess's trie rows.
+class Rows(NamedTuple):
+    """One step's rows, in the order they are sent (row 0 is x)."""
+    tokens: list[int]          # x, the window's other cells, then the guesses' trie
+    parent: list[int]          # each row's parent row, -1 for x: the tree the mask draws
+    newest: list[int]          # the newest level's rows: their argmax mints the next level
+    paths: list[list[int]]     # each guess's rows, one per token
+    trie: int                  # the first trie row: x and the window's rows come before it
 
-    Row l*W + k is window level l, column k (row 0 is x). Level 0 is a causal chain from x;
-    level l >= 1, column k hangs under level l-1, column k. Guesses sharing a prefix share rows.
-    An empty window (W = 0) leaves x and the trie: prompt-lookup decoding, or a plain step.
+
+def layout(x: int, levels: list[list[int]], grams: list[tuple[int, ...]]) -> Rows:
+    """The step's rows: x, the window (levels of W columns) and a prefix tree of the guesses.
+
+    Row l*W + k is window level l, column k (row 0 is x, level 0's dead slot). Level 0 is a
+    causal chain from x; level l >= 1, column k hangs under level l-1, column k. Guesses sharing
+    a prefix share rows. An empty window (W = 0) leaves x and the trie: prompt-lookup decoding,
+    or a plain step.
     """
     W = len(levels[0]) if levels else 0
     tokens, parent = [x], [-1]
@@ -97,7 +107,7 @@ def layout(x: int, levels: list[list[int]], grams: list[tuple[int, ...]]):
             if l or k:                                     # level 0, column 0 is x's own row
                 tokens.append(t)
                 parent.append(k - 1 if l == 0 else (l - 1) * W + k)
-    newest = list(range(len(tokens) - W, len(tokens)))
+    newest, first_trie_row = list(range(len(tokens) - W, len(tokens))), len(tokens)   # (N-1) W, or 1
     trie, paths = {}, []                                   # (parent row, token) -> row
     for gram in grams:
         row, path = 0, []
@@ -109,7 +119,7 @@ def layout(x: int, levels: list[list[int]], grams: list[tuple[int, ...]]):
             row = trie[row, t]
             path.append(row)
         paths.append(path)
-    return tokens, parent, newest, paths
+    return Rows(tokens, parent, newest, paths, first_trie_row)
 
 
 def tree_mask(parent: list[int]) -> Tensor:
@@ -142,17 +152,16 @@ def tree_mask(parent: list[int]) -> Tensor:
     return seen
 
 
-def forward(model: Llama, cache: KVCache, prefix: list[int], tokens: list[int], parent: list[int],
-            keep: list[int], trim_layers: int) -> Tensor:
-    """Logits (len(keep), V) of step rows `keep`; `prefix` (the prompt's step only: the prompt
-    but x) goes first, and that step is plain's, one chain."""
-    c, p, T = cache.length, len(prefix), len(tokens)
+def tree_forward(model: Llama, cache: KVCache, tokens: list[int], parent: list[int], keep: list[int],
+                 trim_layers: int) -> Tensor:
+    """Logits (len(keep), V) of step rows `keep`, the rows sent after the cache as the tree
+    `parent` draws: each row at position P + its number of ancestors, seeing the cache, its
+    ancestors and itself. A tree that is one chain (a plain step, a copy) is sent causal."""
+    c, T = cache.length, len(tokens)
     device = model.tok_embeddings.weight.device
-    if parent == list(range(-1, T - 1)):   # one chain (a plain step, a copy, the prompt's): causal
-        rows = [p + r for r in keep]
-        return model(torch.tensor([prefix + tokens], device=device), torch.arange(c, c + p + T, device=device),
-                     cache, keep=None if rows == [0] else rows, trim_layers=trim_layers)[0]  # (len(keep), V)
-    assert not prefix, "a tree after the prompt's step only"
+    if parent == list(range(-1, T - 1)):   # one chain: the causal mask, as plain and lookup send it
+        return model(torch.tensor([tokens], device=device), torch.arange(c, c + T, device=device),
+                     cache, keep=keep, trim_layers=trim_layers)[0]                   # (len(keep), V)
     tree = tree_mask(parent)                                          # (T, T)
     mask = torch.ones(T, c + T, dtype=torch.bool)                     # (T, S): the cache, then the tree
     mask[:, c:] = tree
@@ -170,11 +179,12 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     """Lookahead decoding (Fu et al. 2024), one yield per forward; greedy or sampled, exact.
 
         pool <- n-grams of prompt; levels <- N-1 levels x W copied from prompt
-        x <- plain's first token, from the prompt alone (engine/generate.py);  yield x
-        loop:
-            rows   <- levels (x is level 0's first cell) + trie(G guesses for x), one tree mask
+        x <- plain's first token, from the prompt alone (its prefill, engine/generate.py); yield x
+        loop:                                          # P: x's position; its K/V not cached yet
+            grams  <- G guesses for x: prompt lookup's, then the pool's (or the policy's copy, alone)
+            rows   <- x + levels (x is level 0's first cell) + trie(grams), one tree mask
             logits <- model(rows), kept only at x, the newest level and the trie
-            y      <- verify_match(logits[x], logits[trie], guesses)    # 1..N tokens
+            y      <- verify_match(logits[x], logits[trie], grams)      # 1..N tokens
             cache  <- cache + x + rows of the guess that y follows     # y[-1] is not cached
             pool   += (window column + argmax of its newest row) for each column, y's n-grams
             levels <- levels[1:] + [argmax of newest level];  x <- y[-1];  yield y
@@ -182,8 +192,8 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     W = `window` columns, N = `ngram`, G = `guesses` (one given, the other is the same; neither,
     W = G = 5; W = 0: prompt lookup from the pool). `trim_layers` freezes the window's older
     levels in the last layers. `policy` (engine/adapt/policy.py, Lookahead) chooses each step instead,
-    up to its own largest W and G: a copy of the text sent alone, a plain step, or the first
-    W' columns and G' guesses; columns not sent pause.
+    up to its own largest W and G: the first W' columns and G' guesses (W' = G' = 0: a plain
+    step), or a copy of the text as the one guess; columns not sent pause.
     """
     N, W = ngram, next((k for k in (window, guesses) if k is not None), 5)
     G = W if guesses is None else guesses
@@ -202,49 +212,57 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
     scratch = max((N - 1) * (W + G), policy.copy_most if policy else 0)
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + scratch, scratch=scratch)
+    device = model.tok_embeddings.weight.device
     pool = Pool(G, N)
     pool.add_text(prompt)
     levels = init_window(prompt, W, N)                 # N-1 levels x W columns
-    text, prefix, x = list(prompt), prompt[:-1], prompt[-1]
+
+    # the prompt's step is plain's, the same one causal call (engine/generate.py)
+    logits = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device),
+                   cache, keep=[-1])[0]                                          # (1, V)
+    x = sampler.draw(logits[-1], rng, "token", len(prompt))
+    text = prompt + [x]
+    pool.add_text(text, len(prompt))
+    arm = "plain" if policy else ""
+    yield Step([x], trace={"kind": "lookahead", "position": len(prompt), "first": True, "prefill": len(prompt) - 1,
+                           "x": prompt[-1], "N": N, "arm": arm, "levels": [], "parent": [-1], "grams": [],
+                           "best": 0, "accepted": 0, "next": x, "why": ""} if trace else None, arm=arm)
     while True:
-        first = not cache.length                       # the prefill: plain's step (engine/generate.py)
-        w, g, copy = (0, 0, []) if first else (W, G, [])
-        if policy and not first:
-            room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can use
-            w, g, copy = policy.choose(text, room)
+        P = len(text) - 1                              # x's slot and position: the cache holds text[:P]
+        room = max(len(prompt) + max_new_tokens - len(text) - 1, 0)   # tokens a guess can use
+        w, g, copy = policy.choose(text, room) if policy else (W, G, [])
         grams = [tuple(copy)] if copy else candidates(pool, text, g, N) if g else []
         sent = [level[:w] for level in levels]         # columns >= w pause this step
-        tokens, parent, newest, paths = layout(x, sent, grams)
-        keep = sorted({0, *newest, *range((N - 1) * w, len(tokens))})
-        trim = 0 if first else trim_layers             # the prompt's step is plain's: no frozen rows
-        base = cache.length + len(prefix)                             # slot and position of x
-        logits = forward(model, cache, prefix, tokens, parent, keep, trim)  # (len(keep), V)
-        at = {r: i for i, r in enumerate(keep)}
+        rows = layout(x, sent, grams)
+        # the rows read: x (the target's own token), the newest level (it mints), the trie (it verifies)
+        keep = sorted({0, *rows.newest, *range(rows.trie, len(rows.tokens))})
+        logits = tree_forward(model, cache, rows.tokens, rows.parent, keep, trim_layers)  # (len(keep), V)
+        at = {r: i for i, r in enumerate(keep)}                       # step row -> its row of logits
         if grams:
-            rows, cand = guessed(logits, at, paths, grams)            # (G', n, V), (G', n)
-            out, best = verify_match(logits[at[0]], rows, cand, sampler, rng, base + 1)
+            cand_rows, cand = guessed(logits, at, rows.paths, grams)  # (G', n, V), (G', n)
+            out, best = verify_match(logits[at[0]], cand_rows, cand, sampler, rng, P + 1)
         else:   # nothing guessed: plain's own draw (what verify_match would do, with fewer ops)
-            out, best = [sampler.draw(logits[at[0]], rng, "token", base + 1)], 0
+            out, best = [sampler.draw(logits[at[0]], rng, "token", P + 1)], 0
         m = len(out) - 1                                              # guess tokens accepted
-        cache.keep(base + 1, [base + r for r in paths[best][:m]] if m else [])
+        # row r was written to slot P + r: keep x's, then move the accepted guess's rows after it
+        cache.keep(P + 1, [P + r for r in rows.paths[best][:m]] if m else [])
         arm = "" if not policy else "copy" if copy else f"W{w} G{g}" if w + g else "plain"
         info = None
         if trace:   # before the window moves: the rows this forward saw
-            info = {"kind": "lookahead", "position": base + 1, "first": first, "prefill": len(prefix),
-                    "x": x, "N": N, "arm": arm, "levels": sent, "parent": parent, "grams": grams,
-                    "best": best, "accepted": m, "next": out[-1],
-                    "why": getattr(policy, "why", "") if not first else ""}   # the numbers behind the arm
+            info = {"kind": "lookahead", "position": P + 1, "first": False, "prefill": 0, "x": x, "N": N,
+                    "arm": arm, "levels": sent, "parent": rows.parent, "grams": grams, "best": best,
+                    "accepted": m, "next": out[-1], "why": getattr(policy, "why", "")}  # the numbers behind the arm
         if w:                                                         # the sent columns move on
-            new = logits[[at[r] for r in newest]].argmax(-1).tolist() # (w,) argmax, even sampling
+            new = logits[[at[r] for r in rows.newest]].argmax(-1).tolist()   # (w,) argmax, even sampling
             levels = [moved + level[w:] for moved, level in zip(advance(pool, sent, x, new), levels)]
             if trace:
                 info["minted"] = new
         text += out
         pool.add_text(text, len(text) - len(out))
-        if policy and not first:
-            policy.update(len(out), len(tokens))
-        prefix, x = [], out[-1]
-        yield Step(out, drafted=len(tokens) - max((N - 1) * w, 1), accepted=m, trace=info, arm=arm)
+        if policy:
+            policy.update(len(out), len(rows.tokens))
+        x = out[-1]
+        yield Step(out, drafted=len(rows.tokens) - rows.trie, accepted=m, trace=info, arm=arm)
 
 
 def step_rows(W: int, N: int, G: int) -> int:

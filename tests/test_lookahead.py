@@ -177,7 +177,7 @@ def test_tree_mask_is_the_documented_picture():
     ids = {name: i for i, name in enumerate(names)}
     window = [[-1, ids["a1"], ids["a2"]], [ids["b0"], ids["b1"], ids["b2"]]]
     guesses = [(ids["cat"], ids["sat"]), (ids["dog"], ids["ran"])]
-    tokens, parent, newest, paths = lookahead.layout(ids["the"], window, guesses)
+    tokens, parent, newest, paths, _ = lookahead.layout(ids["the"], window, guesses)
     lines = [l.split("|") for l in lookahead.tree_mask.__doc__.splitlines() if "|" in l][1:]
     picture = torch.tensor([[c == "x" for c in right.split()] for _, right in lines])
     offset = lambda pos: int(re.fullmatch(r"P\+?(\d*)", pos).group(1) or 0)  # "P+2" -> 2
@@ -191,8 +191,8 @@ def test_tree_mask_is_the_documented_picture():
 
 def test_guesses_sharing_a_prefix_share_rows():
     # Why: a prefix tree verifies each distinct prefix once; both guesses read the same row.
-    tokens, parent, newest, paths = lookahead.layout(9, [[-1, 1], [2, 3]], [(5, 6), (5, 7)])
-    assert paths == [[4, 5], [4, 6]] and parent[4:] == [0, 4, 4] and tokens[4:] == [5, 6, 7]
+    tokens, parent, newest, paths, trie = lookahead.layout(9, [[-1, 1], [2, 3]], [(5, 6), (5, 7)])
+    assert trie == 4 and paths == [[4, 5], [4, 6]] and parent[4:] == [0, 4, 4] and tokens[4:] == [5, 6, 7]
 
 
 def test_pool_keeps_the_g_most_recently_seen_grams_per_first_token():
@@ -222,10 +222,10 @@ def test_the_window_mints_the_argmax_of_each_columns_newest_row():
                                  window=3, ngram=3, guesses=2, trace=True):
         t = step.trace
         if "minted" in t:
-            tokens, parent, newest, _ = lookahead.layout(t["x"], t["levels"], t["grams"])
+            tokens, parent, newest, *_ = lookahead.layout(t["x"], t["levels"], t["grams"])
             cache = KVCache.for_model(model, len(text) + len(tokens))
             model(torch.tensor([text[:-1]]), torch.arange(len(text) - 1), cache)   # all but x
-            logits = lookahead.forward(model, cache, [], tokens, parent, newest, 0)  # (W, V)
+            logits = lookahead.tree_forward(model, cache, tokens, parent, newest, 0)  # (W, V)
             assert logits.argmax(-1).tolist() == t["minted"]
             checked += 1
         text += step.tokens

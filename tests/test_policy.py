@@ -406,8 +406,8 @@ def test_a_step_that_is_not_what_was_said_is_caught():
     # the broken variants: the decoder sends two columns even on copy and plain steps, or the
     # policy is told the step's rows without its guesses; the check above must see both
     model, prompt = tiny_llama(1, vocab=5), prompt_for(1, 8, 5)
-    for old, new in [("sent = [level[:w] for level in levels]", "sent = [level[:max(w, 2 * (not first))] for level in levels]"),
-                     ("policy.update(len(out), len(tokens))", "policy.update(len(out), len(tokens) - len(grams))")]:
+    for old, new in [("sent = [level[:w] for level in levels]", "sent = [level[:max(w, 2)] for level in levels]"),
+                     ("policy.update(len(out), len(rows.tokens))", "policy.update(len(out), len(rows.tokens) - len(grams))")]:
         said = Said(Every(4))
         steps = lookahead_steps(model, prompt, 14, said, decoder=broken(lookahead, old, new))
         assert done_as_said(steps, said), old

@@ -49,15 +49,15 @@ def test_a_path_made_inexact_gets_the_first_token_where_it_parts(tiny_checkpoint
     # purpose), the receipt is the user's only evidence: the first divergent token and how near
     # a tie plain was there. The perturbation: every k-row forward's logits pushed towards
     # token 5, so lookahead's verification accepts what plain never draws
-    real = lookahead.forward
+    real = lookahead.tree_forward
 
-    def skewed(model, cache, prefix, tokens, parent, keep, trim):
-        logits = real(model, cache, prefix, tokens, parent, keep, trim)
-        if len(tokens) > 1 and not prefix:
+    def skewed(model, cache, tokens, parent, keep, trim):
+        logits = real(model, cache, tokens, parent, keep, trim)
+        if len(tokens) > 1:
             logits = logits.clone()
             logits[:, 5] += 100.0
         return logits
-    monkeypatch.setattr(lookahead, "forward", skewed)
+    monkeypatch.setattr(lookahead, "tree_forward", skewed)
     out = run(tiny_checkpoint, capsys, "--decoder", "lookahead", "--window", "3", "--guesses", "3")
     r = out["receipt"]
     assert r["identical"] is False and 0 < r["index"] < out["n_tokens"] and r["got"] == out["tokens"][r["index"]]

@@ -22,8 +22,8 @@ BF16_ATTENTION = ATEN_CAPABILITY == "AVX512" and getattr(torch.cpu, "_is_amx_til
 def attention_dtype(dtype: torch.dtype, device) -> torch.dtype:
     """The dtype a model's K/V are kept and attended in: its own, but fp32 for bf16 on a CPU
     without AMX or not under the AVX512 dispatch. There SDPA's bf16 one-row kernel is slow:
-    3.7x fp32's time at 150 keys and 6.7x at 1,000 under AVX2 (docs/archive/speed-log.md, run 15), 4.5x
-    at 100 and 8.6x at 1,000 on an AVX-512 EPYC with avx512_bf16 but no AMX (run 24); on an
+    3.7x fp32's time at 150 keys and 6.7x at 1,000 under AVX2 (docs/archive/speed-log.md), 4.5x
+    at 100 and 8.6x at 1,000 on an AVX-512 EPYC with avx512_bf16 but no AMX; on an
     AMX Xeon bf16 is the faster. fp32 K/V cost twice the memory and three small casts a layer."""
     if dtype != torch.bfloat16 or BF16_ATTENTION:                # the hot path: one test a layer
         return dtype

@@ -15,7 +15,7 @@ the compiled one-row step's bits (inductor also rounds bf16 after every op, as e
 Every decoder then prints the compiled plain's tokens, which may differ from eager plain's:
 inductor sums RMSNorm's mean, and attention, in another order. The graph only reads the cache;
 each forward's new K/V come back out and go in with one write (`Compiled`), so no Python runs
-between its kernels (the opaque attention op it called before cost ~16 us a layer: run 29).
+between its kernels (an opaque attention op called from the graph cost ~16 us a layer: docs/compile.md).
 
 An early exit (a self-draft, an amateur) runs its layers [0, L) and the target's [L, n) on
 graphs of their own (`splits`). Runs eager, in every decoder alike: the prompt (no cached

@@ -2,7 +2,7 @@
 
 The model appends the T new K/V of a forward at slots [length, length + T) in every layer,
 then advances `length` once. Slots are not positions: lookahead writes several rows that
-share a position, then keeps only the accepted ones with `keep`. Speculative decoding rolls
+share a position, then keeps only the accepted ones with `compact`. Speculative decoding rolls
 rejected drafts back with `truncate`.
 """
 from __future__ import annotations
@@ -111,14 +111,14 @@ class KVCache:
             raise ValueError(f"truncate({n}) outside [0, {self.length}]")
         self.length = n
 
-    def keep(self, n: int, slots: Tensor | list[int]) -> None:
+    def compact(self, n: int, slots: Tensor | list[int]) -> None:
         """Copy `slots` (all >= n, in order) down to [n, n + len(slots)) and truncate there.
 
-        Example: length=10, keep(6, [7, 9]) -> slot 7 moves to 6, slot 9 to 7, length=8.
+        Example: length=10, compact(6, [7, 9]) -> slot 7 moves to 6, slot 9 to 7, length=8.
         """
         slots, m = [int(s) for s in slots], len(slots)
         if m and (min(slots) < n or max(slots) >= self.length):
-            raise ValueError(f"keep({n}, ...): slots must lie in [{n}, {self.length})")
+            raise ValueError(f"compact({n}, ...): slots must lie in [{n}, {self.length})")
         if slots != list(range(n, n + m)):   # none, or a chain's first rows: in place already
             at = torch.tensor(slots, dtype=torch.long, device=self.k.device)
             # subtle: advanced indexing copies first, so overlapping source/target ranges are safe

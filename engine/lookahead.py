@@ -245,7 +245,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             out, best = [sampler.draw(logits[at[0]], rng, "token", P + 1)], 0
         m = len(out) - 1                                              # guess tokens accepted
         # row r was written to slot P + r: keep x's, then move the accepted guess's rows after it
-        cache.keep(P + 1, [P + r for r in rows.paths[best][:m]] if m else [])
+        cache.compact(P + 1, [P + r for r in rows.paths[best][:m]] if m else [])
         arm = "" if not policy else "copy" if copy else f"W{w} G{g}" if w + g else "plain"
         info = None
         if trace:   # before the window moves: the rows this forward saw

@@ -1271,7 +1271,7 @@ def test_a_first_adaptive_run_at_a_terminal_says_it_measures_before_it_measures(
     # why: a first adaptive run on a path measures this machine's prices for seconds (minutes on
     # a busy machine) before it answers; a user at a terminal is told when it starts, and again
     # where the table went after the answer. A pipe hears only the latter (its reader is promised
-    # one error line for a refused request). Broken variant run: live=None in cli.prices leaves
+    # one error line for a refused request). Broken variant run: live=None in cli.price_policy leaves
     # the terminal silent until the answer (this test fails)
     import os
     import sys

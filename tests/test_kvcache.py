@@ -44,7 +44,7 @@ def test_keep_slots_equals_recompute(seed, P, data):
     branch[:3, :3] = branch[3:, 3:] = torch.tril(torch.ones(3, 3, dtype=torch.bool))
     mask = torch.cat([torch.ones(6, P, dtype=torch.bool), branch], 1)
     model(torch.cat([a, b], 1), torch.arange(P, P + 3).repeat(2), cache, mask=mask)
-    cache.keep(P, [P + 3 * win + i for i in range(n_keep)])
+    cache.compact(P, [P + 3 * win + i for i in range(n_keep)])
     chosen = (a, b)[win][:, :n_keep]
     ref = KVCache.for_model(model, P + 6 + 1)
     model(torch.cat([prompt, chosen], 1), torch.arange(P + n_keep), ref)
@@ -59,7 +59,7 @@ def test_keep_moves_slots_in_order():
     c = KVCache(1, 1, 1, 10)
     c.k[0, 0, 0, :, 0] = torch.arange(10.0)
     c.length = 10
-    c.keep(6, [7, 9])
+    c.compact(6, [7, 9])
     assert c.length == 8 and c.k[0, 0, 0, 6:8, 0].tolist() == [7.0, 9.0]
 
 
@@ -79,10 +79,10 @@ def test_bad_truncate_and_keep_are_errors():
     with pytest.raises(ValueError):
         c.truncate(6)
     with pytest.raises(ValueError):
-        c.keep(3, [2])
+        c.compact(3, [2])
     with pytest.raises(ValueError):   # slot 5 is past the cached slots [0, 5): stale data
-        c.keep(3, [4, 5])
-    c.keep(3, [4])                    # the last cached slot is a slot like any other
+        c.compact(3, [4, 5])
+    c.compact(3, [4])                    # the last cached slot is a slot like any other
     assert c.length == 4
 
 

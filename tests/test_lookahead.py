@@ -162,9 +162,9 @@ def test_property_test_catches_wrong_cache_slots(monkeypatch):
     # Why: keeping the K/V of the row next to each accepted one (an off-by-one in the slot
     # arithmetic) corrupts every later token. (Their order alone would not: attention is
     # invariant to the order of the keys, RoPE carries the positions.)
-    keep = KVCache.keep
-    shifted = lambda self, n, slots: keep(self, n, [min(s + 1, self.length - 1) for s in slots])
-    monkeypatch.setattr(KVCache, "keep", shifted)
+    compact = KVCache.compact
+    shifted = lambda self, n, slots: compact(self, n, [min(s + 1, self.length - 1) for s in slots])
+    monkeypatch.setattr(KVCache, "compact", shifted)
     with pytest.raises(AssertionError):
         sabotaged_greedy_test()()
 

@@ -29,7 +29,7 @@ import torch
 
 from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
-from engine.doors.session import build, prices as api_prices
+from engine.doors.session import build, prices as machine_prices
 from engine.draft import EarlyExit, resident_bytes
 from engine.fast.aot import compile_step
 from engine.fast.packed import exact_by_default, prepack, quantize_int4
@@ -278,7 +278,7 @@ def decode_once(model: Llama, prompt: list[int], config: tuple, max_new_tokens: 
     name, second, knobs = config
     models = (model,) if second is None else (model, second)
     if knobs.get("adaptive"):   # a policy, priced as the CLI prices it (engine.doors.session.prices)
-        prices = api_prices(model, second, notify=progress)
+        prices = machine_prices(model, second, notify=progress)
         knobs = {k: v for k, v in knobs.items() if k != "adaptive"}
         knobs["policy"] = POLICIES[name].build(*models, prices, knobs)
     steps, stats = [], Stats()

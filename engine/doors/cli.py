@@ -28,7 +28,7 @@ from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
 from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
-                                  prices as api_prices, wire)
+                                  prices, wire)
 from engine.draft import EarlyExit, resident_bytes
 from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate, plain
@@ -186,7 +186,7 @@ def knobs(args) -> dict:
     return {k: getattr(args, k) for k in DECODERS[args.decoder].names if getattr(args, k) is not None}
 
 
-def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
+def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     """The second model and the policy's prices: this machine's cost table (measured once,
     then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
     pays more than the self-draft at their priors (engine/adapt/policy.py, pick_draft)."""
@@ -194,7 +194,7 @@ def prices(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     # the answer; subtle: not to a pipe, whose reader is promised one error line for a request
     # refused after pricing (a self-draft deeper than the model is the decoder's to say)
     live = (lambda line: warn(f"note: {line}")) if to_terminal(sys.stderr) else None
-    p = api_prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live)
+    p = prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live)
     # which table the choices read: the run's --json and --trace say (a kept table is for good)
     args.priced_by = ("--cost-table" if args.cost_table is not None else
                       str(kept_path(table_key(model))) if p.table is not None else "fixed slopes (nothing could be kept)")
@@ -319,7 +319,7 @@ def run(args) -> dict:
     d, given = DECODERS[args.decoder], knobs(args)
     # a policy is priced by this machine's costs (a note says where they went); --draft auto picks here
     steps, given, second = wire(args.decoder, model, second, prompt, given, adaptive=args.adaptive,
-                                price=lambda second: prices(args, model, second, notes), sampler=sampler,
+                                price=lambda second: price_policy(args, model, second, notes), sampler=sampler,
                                 rng=rng, max_new_tokens=args.max_new_tokens, trace=args.trace)
     load_peak = peak_rss_mb(reset=True)       # the decoding peak is measured from here on
     # a stop string that the newest token completes lies in the text of the last m tokens

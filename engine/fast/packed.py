@@ -26,7 +26,7 @@ from engine.llama import Llama
 
 
 # the op's one overload, bound once: a call through the packet resolves it every time
-LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
+ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 # the 4-bit kernel's AVX-512 path reads an 8-bit head for one row faster than oneDNN reads a bf16
 # one; its AVX2 path does not (3.0 ms against bf16's 1.4 under that dispatch; docs/archive/speed-log.md, run 27)
@@ -51,7 +51,7 @@ class PackedLinear(nn.Module):
         # min_rows 1, the default, skips the row count: the hot path of every step
         n = x.numel() // x.shape[-1]                                  # rows, B*T
         if self.min_rows == 1 or self.min_rows <= n <= MOST_ROWS:
-            return LINEAR(x, self.packed, None, "none", [], "")
+            return ONEDNN_LINEAR(x, self.packed, None, "none", [], "")
         # subtle: oneDNN takes a matrix-vector kernel for one row, a matrix-matrix kernel for
         # 2..32, and on an AMX CPU a tile kernel from 33 rows; they round differently. The
         # 2..32 one gives every row the same bits whatever the row count, so one row is sent
@@ -60,7 +60,7 @@ class PackedLinear(nn.Module):
         if n > MOST_ROWS:
             y = torch.cat([self(x2[i:i + MOST_ROWS]) for i in range(0, n, MOST_ROWS)])  # (n, out)
         else:
-            y = LINEAR(F.pad(x2, (0, 0, 0, self.min_rows - n)), self.packed, None, "none", [], "")[:n]
+            y = ONEDNN_LINEAR(F.pad(x2, (0, 0, 0, self.min_rows - n)), self.packed, None, "none", [], "")[:n]
         return y.view(*x.shape[:-1], -1)                              # (..., out)
 
 

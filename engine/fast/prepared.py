@@ -53,11 +53,11 @@ def int4_model(checkpoint, notify: Callable[[str], None], folder: Path | None = 
             notify(f"{path} {e}: preparing the 4-bit weights anew")
             path.unlink(missing_ok=True)
     model = quantize_int4(load_model(checkpoint, "cpu", torch.float32))
-    keep(model, path, k)
+    save(model, path, k)
     return model
 
 
-def keep(model: Llama, path: Path, k: str) -> None:
+def save(model: Llama, path: Path, k: str) -> None:
     """Write the model's tensors aside, then rename: a killed run leaves no half file (and the
     next run's sweep takes its temporary), and two runs at once both leave a whole one."""
     try:

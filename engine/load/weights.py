@@ -22,14 +22,14 @@ DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch
 
 # HF checkpoint name -> our parameter name; {i} is the layer index. Names that share a
 # parameter are stacked by rows in this order (q, k, v -> wqkv; gate, up -> w13).
-LINEAR = {"self_attn.q_proj": "attention.wqkv", "self_attn.k_proj": "attention.wqkv",
+PROJECTIONS = {"self_attn.q_proj": "attention.wqkv", "self_attn.k_proj": "attention.wqkv",
           "self_attn.v_proj": "attention.wqkv", "self_attn.o_proj": "attention.wo",
           "mlp.gate_proj": "feed_forward.w13", "mlp.up_proj": "feed_forward.w13",
           "mlp.down_proj": "feed_forward.w2"}
 NAME_MAP = {
     "model.embed_tokens.weight": "tok_embeddings.weight",
     **{f"model.layers.{{i}}.{hf}.{p}": f"layers.{{i}}.{ours}.{p}"
-       for p in ("weight", "bias") for hf, ours in LINEAR.items()},
+       for p in ("weight", "bias") for hf, ours in PROJECTIONS.items()},
     "model.layers.{i}.input_layernorm.weight": "layers.{i}.attention_norm.weight",
     "model.layers.{i}.post_attention_layernorm.weight": "layers.{i}.ffn_norm.weight",
     "model.norm.weight": "norm.weight",

@@ -221,7 +221,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     logits = model(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device),
                    cache, keep=[-1])[0]                                          # (1, V)
     x = sampler.draw(logits[-1], rng, "token", len(prompt))
-    text = prompt + [x]
+    text = [*prompt, x]
     pool.add_text(text, len(prompt))
     arm = "plain" if policy else ""
     yield Step([x], trace={"kind": "lookahead", "position": len(prompt), "first": True, "prefill": len(prompt) - 1,

@@ -88,8 +88,8 @@ def test_bad_truncate_and_keep_are_errors():
 
 @pytest.mark.parametrize("native, attends", [(False, torch.float32), (True, torch.bfloat16)])
 def test_bf16_attends_in_fp32_only_where_the_cpu_lacks_native_bf16(monkeypatch, native, attends):
-    # SDPA in bf16 costs 3.7-6.7x fp32's on a CPU whose ATen kernels are not AVX-512's (run 15),
-    # 4.5-8.6x on an AVX-512 EPYC without AMX (run 23); BF16_ATTENTION: AVX512 dispatch and AMX
+    # SDPA in bf16 costs 3.7-6.7x fp32's on a CPU whose ATen kernels are not AVX-512's (docs/archive/speed-log.md),
+    # 4.5-8.6x on an AVX-512 EPYC without AMX; BF16_ATTENTION: AVX512 dispatch and AMX
     monkeypatch.setattr(kvcache, "BF16_ATTENTION", native)
     assert kvcache.attention_dtype(torch.bfloat16, "cpu") == attends
     assert kvcache.attention_dtype(torch.bfloat16, "cuda") == torch.bfloat16     # a GPU keeps its own

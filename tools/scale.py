@@ -7,7 +7,7 @@ A decoder that verifies k rows per forward pays cost(k)/cost(1) for them, so it 
 more tokens per forward than that to win; the table says how dear rows are at each size.
 Writes bench-out/scale.md and scale.json (docs/scale.md is one run, with its machine). --int4 is
 the 4-bit path without its exact kernels (--no-batch-invariant): SDPA's attention, as scale.md
-was measured; the exact path's rows each add an attention call (docs/archive/speed-log.md, run 13).
+was measured; the exact path's rows each add an attention call (docs/archive/speed-log.md).
 """
 from __future__ import annotations
 

@@ -79,7 +79,7 @@ def table_from(d, path: str | Path) -> dict[int, float]:
 # --------------------------------------------------------------------------- this machine's table
 
 # row counts measured, interpolated between: torch's int4 kernel costs steps of four rows (5
-# rows as much as 8: docs/archive/speed-log.md, run 11), so both ends of each step are measured up to 16
+# rows as much as 8: docs/archive/speed-log.md), so both ends of each step are measured up to 16
 ROW_COUNTS = (1, 2, 3, 4, 5, 8, 9, 12, 13, 16, 24, 32)
 HOW = "paired medians, with the step after, checked"   # in the kept table's key: a new way measures anew
 # a larger k may read at most this much cheaper than a smaller one: the spread of paired medians

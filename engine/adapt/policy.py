@@ -357,7 +357,7 @@ def pick_draft(target: Llama, drafts: list[tuple[Llama | EarlyExit, Prices]]) ->
 # two-row forward measured 1.15-1.30x a one-row one within an hour on one VM). So lookahead's and
 # lookup's policies pay each row past the first DOUBT times its price. Scored without a clock
 # on 14 bench and 15 held-out prompts, under the kept prices and two others: tokens per unit of
-# cost up 0.3-1.7% in every case, the worst prompt no worse (docs/archive/speed-log.md, run 37)
+# cost up 0.3-1.7% in every case, the worst prompt no worse (docs/archive/speed-log.md)
 DOUBT = 1.25
 
 

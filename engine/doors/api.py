@@ -10,8 +10,8 @@
 `Engine.load`'s keywords are the CLI's loading flags, `tokens`' its decoding ones: a decoder by
 name, its knobs as keywords, `second=` a Llama or an early exit (EarlyExit(L), or just L),
 `adaptive` as --adaptive, priced as the CLI prices. A str prompt is chat-templated as there; a
-list of ids is sent as it is. A bad argument is a ValueError before any token (a decoder's knob: at its first token's
-read), as the CLI's `error:` lines are.
+list of ids is sent as it is. A bad argument is a ValueError before any token (a decoder's
+knob: at its first token's read), as the CLI's `error:` lines are.
 """
 from __future__ import annotations
 

@@ -40,7 +40,7 @@ def row_attention(q: Tensor, k: Tensor, v: Tensor, attn_mask: Tensor | None = No
     whose bounds follow the call's shape, and it adds a mask, so a verified row (one of k,
     masked, its keys beside other rows' keys) rounds apart from plain's one-row step, in fp32
     as in bf16 (tests/test_invariant.py). A one-row step is SDPA's call as it is; a k-row
-    forward pays k calls per layer (docs/archive/speed-log.md, run 13).
+    forward pays k calls per layer (docs/archive/speed-log.md).
     - a prompt (causal rows from an empty cache) is one SDPA call, as plain's prefill is;
     - a row whose keys are slots [0, n) attends to a view of the cache, no copy (a plain step,
       speculative's and lookup's chains, lookahead's copy);

@@ -29,7 +29,7 @@ from engine.llama import Llama
 ONEDNN_LINEAR = torch.ops.mkldnn._linear_pointwise.default if torch.backends.mkldnn.is_available() else None
 INT4_MM = torch.ops.aten._weight_int4pack_mm_for_cpu.default
 # the 4-bit kernel's AVX-512 path reads an 8-bit head for one row faster than oneDNN reads a bf16
-# one; its AVX2 path does not (3.0 ms against bf16's 1.4 under that dispatch; docs/archive/speed-log.md, run 27)
+# one; its AVX2 path does not (3.0 ms against bf16's 1.4 under that dispatch; docs/archive/speed-log.md)
 Q8_HEAD = ATEN_CAPABILITY == "AVX512"
 
 
@@ -122,7 +122,7 @@ class Q8Linear(Int4Linear):
     one call over twice the columns. A group already on a Q8_0 grid (the shipped head,
     dequantized) gets its codes back exactly; d is kept in bf16, as Int4Linear keeps its scales.
     The trade: a one-row step 0.92x as long, but the kernel pays per row where oneDNN's bf16
-    head is flat to 16 rows, so an 8-row verify costs 1.08x (docs/archive/speed-log.md, run 27).
+    head is flat to 16 rows, so an 8-row verify costs 1.08x (docs/archive/speed-log.md).
     """
 
     def __init__(self, weight: Tensor, group: int = 32):
@@ -244,7 +244,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
 
 def exact_by_default(model: Llama) -> bool:
     """Whether prepack's batch_invariant is on by default: for bf16 and 4-bit models on a CPU,
-    whose one-row step it costs about nothing (docs/archive/speed-log.md, run 13; whether rows then round
+    whose one-row step it costs about nothing (docs/archive/speed-log.md; whether rows then round
     alike is this CPU's probe to say: invariant.rows_round_alike). fp32 pays ~9%: a flag."""
     w = model.tok_embeddings.weight
     return w.dtype == torch.bfloat16 and w.device.type == "cpu"

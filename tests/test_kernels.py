@@ -22,3 +22,17 @@ def test_the_int8_candidate_gives_every_row_its_one_row_bits_by_construction():
         return (torch.round(x / a) @ torch.round(w.t() / (w.abs().amax(1) / 127))) * a * (w.abs().amax(1) / 127)
     alone = torch.cat([shared_scale(x[i:i + 1]) for i in range(len(x))])
     assert not torch.equal(shared_scale(x), alone)
+
+
+def test_the_dequantized_in_a_graph_candidate_is_the_4bit_paths_own_matmul():
+    # why: its time is weighed against torch's 4-bit kernel only if it multiplies by the same
+    # weights (codes, scales and mins unpacked as Int4Linear holds them); broken variant: the two
+    # nibbles of a byte read in the other order, a plausible packing slip, is another matrix
+    from engine.fast.packed import Int4Linear
+    from tools.kernels import dequantized
+    torch.manual_seed(0)
+    w, x = torch.randn(48, 96) * 0.02, torch.randn(5, 96).bfloat16()
+    want = Int4Linear(w)(x).float()                              # the path's kernel, bf16 out
+    for blocked in (False, True):
+        got = dequantized(w, blocked, compile_=False)(x).float()
+        assert (got - want).abs().max() <= 0.01 * want.abs().max()

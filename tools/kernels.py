@@ -2,7 +2,8 @@
 and multiply-adds per second against this machine's peak for each kind of arithmetic.
 
     python -m tools.kernels                    # table -> bench-out/kernels.{md,json}
-    python -m tools.kernels --compile          # and Inductor's 4-bit GEMM template (gcc, ~1 min)
+    python -m tools.kernels --compile          # and Inductor's 4-bit GEMM template and the 4-bit
+                                               # weights dequantized in a graph (gcc, ~2 min)
 
 Verification pays only where a forward of k rows costs about one of one row. A kernel serves
 an exact path only if it gives a row the same bits whatever the row count (a verify row must
@@ -16,6 +17,9 @@ get plain's one-row logits), so the two questions are asked of each candidate to
   row to int8 by its own scale, oneDNN's u8 x s8 -> s32 kernel (VNNI), prepacked. Integer sums
   are exact in any order, so rows round alike by construction, on any CPU.
 - bf16 oneDNN: the weight as bf16 (four times the bytes), the bf16 path's PackedLinear.
+- int4 dequantized in the graph (`--compile`): the same 4-bit codes, scales and mins unpacked by
+  code Inductor writes, one graph for every row count (dynamic rows): "fused" dequantizes inside
+  the sum (one reduction kernel, fp32), "blocked" writes the bf16 weight and calls one GEMM.
 
 Peaks are large GEMMs of each arithmetic (oneDNN: fp32, bf16; int8 through torch._int_mm).
 Each figure is the least of `repeats` timed calls: on a shared 2-core VM the least disturbed
@@ -31,7 +35,7 @@ from pathlib import Path
 
 import torch
 
-from engine.fast.packed import INT4_MM, Int4Linear, PackedLinear, can_prepack
+from engine.fast.packed import INT4_MM, Int4Linear, PackedLinear, can_prepack, q4_groups
 from tools.cli import Parser, first, out_dir, write_atomic
 from tools.machine import describe, machine
 
@@ -83,6 +87,26 @@ def int4_template(lin: Int4Linear):
         return torch.compile(Op(), dynamic=False)
 
 
+def dequantized(w: torch.Tensor, blocked: bool, compile_: bool = True):
+    """x W^T with W = d q + m (Q4_1's groups of 32, as Int4Linear quantizes it) unpacked inside a
+    compiled graph: codes (in/2, out) with rows 2j, 2j+1 in one byte's low and high nibble."""
+    out, n = w.shape
+    q, d, m = q4_groups(w)                                             # (out, in), (out, in/32)
+    qt = q.t().contiguous()                                            # (in, out)
+    codes = (qt[0::2] | (qt[1::2] << 4)).to(torch.uint8)               # (in/2, out)
+    d, m = d.t().contiguous().bfloat16(), m.t().contiguous().bfloat16()  # (in/32, out)
+
+    def weights() -> torch.Tensor:                                     # (in, out) fp32
+        q = torch.stack([codes & 15, codes >> 4], 1).view(n // 32, 32, out).float()
+        return (q * d.float()[:, None] + m.float()[:, None]).view(n, out)
+
+    def mm(x: torch.Tensor) -> torch.Tensor:
+        if blocked:
+            return x @ weights().to(x.dtype)                           # (k, out)
+        return (x.float()[:, :, None] * weights()[None]).sum(1)        # (k, out)
+    return torch.compile(mm, dynamic=True) if compile_ else mm
+
+
 def candidates(compile_: bool) -> dict:
     torch.manual_seed(0)
     w = torch.randn(*SHAPE) * 0.02
@@ -92,6 +116,8 @@ def candidates(compile_: bool) -> dict:
         out["bf16 oneDNN"] = PackedLinear(w.bfloat16(), 2)
     if compile_:
         out["int4 template"] = int4_template(lin)
+        out["int4 dequantized in the graph, fused"] = dequantized(w, blocked=False)
+        out["int4 dequantized in the graph, blocked"] = dequantized(w, blocked=True)
     return out
 
 
@@ -138,7 +164,7 @@ def markdown(result: dict) -> str:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m tools.kernels", description=first(__doc__))
-    p.add_argument("--compile", action="store_true", help="also Inductor's 4-bit GEMM template (needs gcc)")
+    p.add_argument("--compile", action="store_true", help="also Inductor's 4-bit GEMM template and the weights dequantized in a graph (needs gcc)")
     p.add_argument("--repeats", type=int, default=200, help="timed calls per figure (the least is kept)")
     p.add_argument("--json", action="store_true", help="print one JSON object")
     p.add_argument("--out", type=Path, default=Path("bench-out"), help="kernels.md and kernels.json go here")

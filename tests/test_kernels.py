@@ -36,3 +36,16 @@ def test_the_dequantized_in_a_graph_candidate_is_the_4bit_paths_own_matmul():
     for blocked in (False, True):
         got = dequantized(w, blocked, compile_=False)(x).float()
         assert (got - want).abs().max() <= 0.01 * want.abs().max()
+
+
+def test_the_one_row_rates_count_the_bytes_the_4bit_kernel_reads():
+    # why: the one-row table says the kernel is bound by its arithmetic when its GB/s sits far
+    # under the machine's read rate; that holds only if the bytes are what it reads: half a byte
+    # a weight, and a bf16 scale and min per 32 (broken variant: the codes alone, 20% short)
+    from tools.kernels import LAYER, markdown, one_row
+    rows = one_row(2)
+    for name, (out, n) in LAYER.items():
+        assert rows[name]["bytes"] == out * n // 2 + out * (n // 32) * 2 * 2
+        assert all(r["gb_s"] > 0 for k, r in rows[name].items() if k != "bytes")
+    table = markdown({"kernels": {}, "one_row": rows, "peak_gmac_s": {}})
+    assert all(f"| {name} |" in table for name in LAYER)

@@ -21,6 +21,10 @@ get plain's one-row logits), so the two questions are asked of each candidate to
   code Inductor writes, one graph for every row count (dynamic rows): "fused" dequantizes inside
   the sum (one reduction kernel, fp32), "blocked" writes the bf16 weight and calls one GEMM.
 
+Then one row through torch's 4-bit kernel for each of a layer's shapes (SmolLM2-135M's), on all
+threads and on one, with the bytes it reads per second: on a 2-core VM the one-row kernel runs
+at about twice its one-thread rate, so it is bound by its own unpacking arithmetic, not by memory.
+
 Peaks are large GEMMs of each arithmetic (oneDNN: fp32, bf16; int8 through torch._int_mm).
 Each figure is the least of `repeats` timed calls: on a shared 2-core VM the least disturbed
 call drifts far less than a median of a few microseconds. One shape stands for the layer's
@@ -121,6 +125,25 @@ def candidates(compile_: bool) -> dict:
     return out
 
 
+LAYER = {"qkv": (960, 576), "o": (576, 576), "gate/up": (3072, 576), "down": (576, 1536)}
+
+
+def one_row(repeats: int) -> dict:
+    """us and GB/s (codes, scales and mins read) of one row through each layer matmul, on this
+    run's threads and on one; the weights stay in cache between calls: the kernel's best rate."""
+    out, threads = {}, torch.get_num_threads()
+    for name, shape in LAYER.items():
+        lin, x = Int4Linear(torch.randn(*shape) * 0.02), torch.randn(1, shape[1]).bfloat16()
+        read = lin.packed.numel() * lin.packed.element_size() + lin.scales.numel() * lin.scales.element_size()
+        out[name] = {"bytes": read}
+        for t in dict.fromkeys((threads, 1)):
+            torch.set_num_threads(t)
+            us = least_us(lambda: INT4_MM(x, lin.packed, lin.group, lin.scales), repeats)
+            out[name][f"{t} thread{'s' * (t > 1)}"] = {"us": round(us, 1), "gb_s": round(read / us / 1e3, 1)}
+        torch.set_num_threads(threads)
+    return out
+
+
 def peaks(repeats: int) -> dict:
     """GMAC/s of a large GEMM per arithmetic (1024 rows through a 3072 x 576 weight; int8: 2048^3)."""
     x, w = torch.randn(1024, SHAPE[1]), torch.randn(*SHAPE)
@@ -158,6 +181,12 @@ def markdown(result: dict) -> str:
         cells = [f"{r['us']:.0f} ({r['us'] / one:.2f}) [{r['gmac_s']:.0f}]" for r in by_k.values()]
         alike = "yes" if all(r["rows_alike"] for r in by_k.values()) else "no"
         lines.append(f"| {name} | " + " | ".join(cells) + f" | {alike} |")
+    runs = [k for k in next(iter(result["one_row"].values())) if k != "bytes"]   # "2 threads", "1 thread"
+    lines += ["", "One row through torch's 4-bit kernel, each layer shape; us [GB/s read]:", "",
+              "| matmul | KB read | " + " | ".join(runs) + " |", "|---|---|" + "---|" * len(runs)]
+    for name, r in result["one_row"].items():
+        cells = [f"{r[k]['us']:.1f} [{r[k]['gb_s']:.1f}]" for k in runs]
+        lines.append(f"| {name} | {r['bytes'] / 1e3:.0f} | " + " | ".join(cells) + " |")
     lines += ["", "Peak GMAC/s, large GEMMs: " + ", ".join(f"{k} {v}" for k, v in result["peak_gmac_s"].items())]
     return "\n".join(lines) + "\n"
 
@@ -176,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
             out_dir(args.out)
         torch.set_grad_enabled(False)
         result = {"machine": machine("cpu"), "shape": SHAPE, "kernels": measure(args.compile, args.repeats),
-                  "peak_gmac_s": peaks(max(3, args.repeats // 40))}
+                  "one_row": one_row(args.repeats), "peak_gmac_s": peaks(max(3, args.repeats // 40))}
     except (OSError, ValueError, RuntimeError) as e:   # RuntimeError: a kernel this CPU lacks
         print(f"tools.kernels: error: {str(e).splitlines()[0] if str(e) else type(e).__name__}", file=sys.stderr)
         return 2

@@ -65,7 +65,7 @@ test-cuda: weights
 # then where a plain step's time goes (bench-out/split.*), where a k-row forward's goes on the
 # 4-bit path eager and compiled (split-rows.*), and the 4-bit matmul's candidates (kernels.*).
 # COMPILE=1 adds plain, lookahead,
-# lookup and speculative (a 20-layer self-draft) on the exact 4-bit path compiled ahead of time
+# lookup and speculative (its default draft there: the text's n-grams) on the exact 4-bit path compiled ahead of time
 # (engine/fast/aot.py: built once per machine, minutes).
 # LLAMA_CPP=path/to/llama-completion adds llama.cpp's plain greedy on the same GGUF to the first table.
 bench: weights

@@ -20,7 +20,7 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from engine.draft import EarlyExit, draft_then_verify, pair_for, verdicts
+from engine.draft import EarlyExit, Ngram, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_rejection
@@ -82,6 +82,8 @@ def decode(expert: Llama, amateur: Llama | EarlyExit, prompt: list[int], *, samp
     default, as docs/quality.md chose. `trace` puts each position's expert argmax, pick and
     plausible-set size (and the drafts' verdicts) in `Step.trace` (engine/trace.py prints it).
     """
+    if isinstance(amateur, Ngram):   # its "logits" are one token's; contrast needs a whole law
+        raise ValueError("the amateur is a model (a Llama or EarlyExit(L)), not the text's n-grams")
     if isinstance(amateur, EarlyExit) and not 0 <= amateur.layers < expert.config.n_layers:
         raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur.layers}")
     scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs

@@ -28,10 +28,11 @@ class Knob(NamedTuple):
 
 
 class Second(NamedTuple):
-    """A decoder's second model, named by one flag: a checkpoint dir or layers:L (an early exit)."""
+    """A decoder's second model, named by one flag: a checkpoint dir, layers:L (an early exit) or
+    (a draft) ngram[:n], the text's n-grams."""
     flag: str                     # draft | amateur
     default: str
-    help: str                     # layers:L is EarlyExit(L) (engine/draft.py) for either decoder
+    help: str                     # layers:L is EarlyExit(L), ngram:n Ngram(n) (engine/draft.py)
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -50,7 +51,6 @@ class Decoder:
         return tuple(k.name for k in self.knobs)
 
 
-SELF_DRAFT_LAYERS = 20     # the self-draft depth `make bench` found best on SmolLM2-135M (of 12, 20)
 AMATEUR_LAYERS = 8         # the early-exit amateur depth the quality report chose
 NUM_DRAFT = Knob("num_draft", help="K draft tokens per step (--no-adaptive: default 4; adaptive: the K it starts "
                                    "from, by default the best K at the draft's prior acceptance and price; "
@@ -70,9 +70,10 @@ DECODERS = {
         knobs=(NUM_DRAFT, Knob("verify", str, "rejection", "rejection sampling, or coupled noise "
                                "(seed-identical to plain)", ("rejection", "coupled"))),
         second=Second("draft", "auto", "int4: the target's weights in 4 bits; layers:L: the target's first L "
-                      "layers; a checkpoint dir; auto (default): int4 where the cost model says it pays "
-                      "(--no-adaptive: where it can be built; never under a SIMD-less kernel dispatch), else "
-                      f"layers:{SELF_DRAFT_LAYERS}"),
+                      "layers; ngram[:n]: the text's own n-grams, no model (n = 3: the token after the latest "
+                      "earlier match of the last 3 or 2 tokens); a checkpoint dir; auto (default): int4 "
+                      "where the cost model says it pays more than ngram (--no-adaptive: where it can be "
+                      "built; never under a SIMD-less kernel dispatch), else ngram"),
         rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(
         decode=contrastive.decode, sizes=("num_draft",), about="contrastive", held_to="contrastive's",

@@ -7,8 +7,9 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   plain sampling's with the same seed, token for token, whatever the draft; it accepts less
   often than rejection sampling (`verify_match` says how much).
 The draft is another Llama with the target's vocab (such as `api.build(checkpoint, int4=True)`,
-the target's own weights in 4 bits), or `EarlyExit(L)`: the target's layers [0, L) + its norm and
-head (an early exit), sharing the target's weights and KV cache (engine/draft.py). Either way
+the target's own weights in 4 bits), `EarlyExit(L)`: the target's layers [0, L) + its norm and
+head (an early exit), sharing the target's weights and KV cache, or `Ngram(n)`: the text's own
+n-grams, no model at all, proposing only as far as the text repeats (engine/draft.py). Whichever,
 the target decides every token: the output is the target's, however good the draft.
 K is fixed (`num_draft`) unless a policy chooses it per step (engine/adapt/policy.py, DraftLength).
 But: batch size 1, one chain of drafts (no trees), no drafts with another tokenizer.
@@ -19,19 +20,20 @@ from typing import Iterator
 
 import torch
 
-from engine.draft import EarlyExit, draft_then_verify, pair_for, verdicts
+from engine.draft import Draft, EarlyExit, Ngram, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
 from engine.llama import Llama
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
 
 
-def decode(target: Llama, draft: Llama | EarlyExit, prompt: list[int], *, sampler: Sampler,
+def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, num_draft: int = 4, verify: str = "rejection",
            policy=None, trace: bool = False) -> Iterator[Step]:
     """Speculative decoding; one Step per target forward (the first is plain's, on the prompt alone).
 
         n = len(x); K = min(K, tokens left - 1), or 0 on the prompt's step (plain's prefill)
         for i in 0..K-1: q_i = probs(draft(x_<n+i)); x_{n+i} ~ q_i   key ("draft" | "token", n+i)
+                         (an n-gram draft with no match at n+i: K = i)
         p_0..p_K = probs(target(x_<n+K))                            one forward, K+1 rows
         rejection: accept x_{n+i} w.p. min(1, p_i/q_i); first reject: y ~ norm((p_i - q_i)+)
         coupled:   y_i ~ p_i with plain's key ("token", n+i); accept while y_i == x_{n+i}
@@ -51,6 +53,7 @@ def decode(target: Llama, draft: Llama | EarlyExit, prompt: list[int], *, sample
         raise ValueError(f"self-draft layers must be in [1, {n_layers}], got {draft.layers}")
     # a step never drafts past the budget, so K beyond it would only size the cache
     scratch = min(max(num_draft, policy.most if policy else 0), max_new_tokens) + 1
+    forwards = not isinstance(draft, Ngram)                # a draft token costs a draft forward
     pair = pair_for(target, draft, len(prompt) + max_new_tokens + scratch, scratch)
     stream = "draft" if verify == "rejection" else "token"
 
@@ -60,12 +63,14 @@ def decode(target: Llama, draft: Llama | EarlyExit, prompt: list[int], *, sample
             first = not pair.target_seen                       # the prefill: plain's step (generate.py)
             k = 0 if first else min(policy.k if policy else num_draft, max(end - n - 1, 0))
             why = getattr(policy, "why", "") if not first else ""   # the numbers behind K, for the trace
-            drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream)  # (K, V), (K+1, V)
+            drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream, laws=trace)  # (K, V), (K+1, V)
+            asked, k = k, len(drafts)                          # an n-gram draft may propose fewer
             if not k:       # a plain step: plain's draw, which is either verification's with no drafts
                 out = [sampler.draw(logits[0], rng, "token", n)]
-            elif verify == "rejection":
+            elif verify == "rejection" and not sampler.greedy:
                 out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
-            else:
+            else:   # coupled; or greedy, where p and q are one-hot and rejection keeps x_i iff it is
+                    # p_i's argmax, then emits that argmax: the match's answer, with no law built
                 out, _ = verify_match(logits[0], logits[None, 1:], torch.tensor([drafts]), sampler, rng, n)
             if policy and not first:
                 policy.update(k, len(out) - 1)
@@ -75,10 +80,10 @@ def decode(target: Llama, draft: Llama | EarlyExit, prompt: list[int], *, sample
             if trace:   # the uniform each verdict read: ("accept", t), or plain's ("token", t) if coupled
                 p = sampler.probs(logits)                                            # (K+1, V)
                 u = [rng.uniform("accept" if verify == "rejection" else "token", n + i) for i in range(k)]
-                info = {"kind": "speculative", "position": n, "first": first, "verify": verify,
+                info = {"kind": "speculative", "position": n, "first": first, "verify": verify, "asked": asked,
                         "adaptive": bool(policy), "greedy": sampler.greedy, "why": why,
                         **verdicts(p, q, drafts, out, u, (logits, torch.stack(a[:k])) if k else None)}
-            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k, trace=info,
+            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k * forwards, trace=info,
                        arm=f"K={k}" if policy else "")
 
     return steps(list(prompt), len(prompt) + max_new_tokens)

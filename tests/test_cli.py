@@ -58,6 +58,10 @@ def built_once():
     (["--compile", "--int4", "--dtype", "bfloat16", "--no-batch-invariant", "--prompt", "hi"], "--compile"),
     (["--decoder", "speculative", "--draft", "layers:x", "--prompt", "hi"], "layers:L"),
     (["--decoder", "contrastive", "--amateur", "layers:²", "--prompt", "hi"], "layers:L"),
+    (["--decoder", "speculative", "--draft", "ngram:0", "--prompt", "hi"], "ngram:n"),
+    (["--decoder", "speculative", "--draft", "ngram:x", "--prompt", "hi"], "ngram:n"),
+    (["--decoder", "speculative", "--draft", "ngrams", "--prompt", "hi"], "ngram:n"),
+    (["--decoder", "contrastive", "--amateur", "ngram", "--prompt", "hi"], "amateur is a model"),
     (["--draft-cost", "0", "--prompt", "hi"], "--draft-cost"),
     (["--draft-cost", "nan", "--prompt", "hi"], "--draft-cost"),
 ])
@@ -134,6 +138,7 @@ GREEDY_DECODERS = {
     "speculative": ["--decoder", "speculative"],
     "speculative int4 draft": ["--decoder", "speculative", "--draft", "int4"],
     "speculative self-draft": ["--decoder", "speculative", "--draft", "layers:20"],
+    "speculative n-gram draft": ["--decoder", "speculative", "--draft", "ngram"],
     "speculative coupled": ["--decoder", "speculative", "--verify", "coupled", "--adaptive"],
     "contrastive beta=0": ["--decoder", "contrastive", "--beta", "0"],
     "lookup": ["--decoder", "lookup"],
@@ -180,10 +185,11 @@ def test_an_int4_draft_keeps_fp32_plain_sampling(verify, capsys):
 
 
 @real
-@pytest.mark.parametrize("price,want", [("0.05", "int4"), ("50", "layers:20")])
+@pytest.mark.parametrize("price,want", [("0.05", "int4"), ("50", "ngram:3")])
 def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, capsys):
     # Why: the default draft is a choice; the stats say which was taken, and it is the one
-    # `speculative.pays` ranks first (a 4-bit draft at 0.05 of a forward wins, at 50 loses).
+    # `speculative.pays` ranks first (a 4-bit draft at 0.05 of a forward wins, at 50 loses to
+    # the text's n-grams).
     out = run_json([*FP32, "--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative",
                     "--draft-cost", price], capsys)
     assert out["draft"] == want and (out["draft_mb"] > 0) == (want == "int4")
@@ -193,14 +199,14 @@ def test_draft_auto_takes_the_draft_the_cost_model_prices_higher(price, want, ca
 def test_draft_auto_builds_no_4_bit_draft_where_the_4_bit_kernel_is_scalar(monkeypatch, capsys):
     # Why: under a SIMD-less dispatch (ATEN_CPU_CAPABILITY=default) torch's 4-bit matmul is a
     # scalar loop, far dearer than the fp32 target: building that draft and timing its price
-    # took minutes, for a draft auto never takes. There auto self-drafts at once.
+    # took minutes, for a draft auto never takes. There auto drafts from the text at once.
     import engine.doors.cli
     built, build = [], engine.doors.cli.build   # the module's kept builds (built_once)
     monkeypatch.setattr(engine.doors.cli, "ATEN_CAPABILITY", "DEFAULT")
     monkeypatch.setattr(engine.doors.cli, "build", lambda ckpt, **how: built.append(how["int4"]) or build(ckpt, **how))
     out = run_json([*FP32, "--prompt", "hi", "--max-new-tokens", "4", "--decoder", "speculative", "--draft-cost", "0.05"],
                    capsys)
-    assert out["draft"] == "layers:20" and built == [False]   # at 0.05 a 4-bit draft would have won
+    assert out["draft"] == "ngram:3" and built == [False]   # at 0.05 a 4-bit draft would have won
 
 
 INT4_EXACT = ["--int4", "--dtype", "bfloat16"]   # exact by default: --batch-invariant is on for bf16 and int4

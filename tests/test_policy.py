@@ -18,7 +18,7 @@ from engine import lookahead, lookup, speculative
 from engine.adapt import policy
 from conftest import int4_copy
 from engine.adapt.policy import Prices, best_k
-from engine.draft import EarlyExit
+from engine.draft import EarlyExit, Ngram
 from engine.generate import generate, plain
 from engine.lookup import find
 from engine.sampling import Random, Sampler
@@ -154,6 +154,22 @@ def test_pays_ranks_drafts_by_tokens_per_unit_of_cost(c, want):
     copy4, exit1 = policy.pays(target, int4_copy(target), Prices({1: 1.0, 8: 1.2}, c)), \
         policy.pays(target, EarlyExit(1), Prices({1: 1.0, 8: 1.2}))
     assert (copy4 > exit1) == (want == "int4") and min(copy4, exit1) >= 1.0
+
+
+@pytest.mark.parametrize("table,c,want", [({1: 1.0, 8: 1.2}, 0.2, "int4"), ({1: 1.0, 8: 3.0}, 0.9, "ngram")])
+def test_pays_weighs_the_texts_ngrams_by_the_steps_they_draft_on(table, c, want):
+    # Why: --draft auto weighs the text's n-grams against a model draft. They cost no forward but
+    # draft only where the text repeats (NGRAM_HITS of steps), so on cheap rows (fp32) a 4-bit
+    # copy at 0.2 of a forward wins, and on dear rows (the 4-bit path) the n-grams win over both
+    # that copy at 0.9 and any early exit; either way a choice of theirs never loses to plain
+    target = tiny_llama(1, hidden=64)
+    text = policy.pays(target, Ngram(3), Prices(table))
+    copy4 = policy.pays(target, int4_copy(target), Prices(table, c))
+    exit1 = policy.pays(target, EarlyExit(1), Prices(table))
+    assert (copy4 > text) == (want == "int4") and text > exit1 and text >= 1.0
+    h, alpha = policy.NGRAM_HITS, policy.NGRAM_PRIOR             # the mix, by hand, at K = 1
+    one = (h * (1 + alpha) + 1 - h) / (h * policy.row_cost(target, table)(2) + 1 - h)
+    assert text >= one
 
 
 # --------------------------------------------------------------------------- lookahead's arm

@@ -12,7 +12,7 @@ import torch
 from conftest import tiny_llama, unnamed_decoders
 from engine import contrastive, lookahead, lookup, speculative
 from engine.adapt import policy
-from engine.draft import EarlyExit
+from engine.draft import EarlyExit, Ngram, NgramPair
 from conftest import int4_copy
 from engine.generate import plain
 from engine.sampling import Sampler
@@ -167,6 +167,9 @@ ENTRIES = {
     "speculative adaptive K": (spec_run(DRAFT, 1, adaptive=True), target_law, 3),
     "speculative K by the last step's acceptance": (spec_by_acceptance, target_law, 4),
     "speculative coupled K=2": (spec_run(DRAFT, 2, verify="coupled"), target_law, 4),
+    "speculative n-gram draft K=2": (spec_run(Ngram(2, least=1), 2), target_law, 4),
+    "speculative n-gram draft coupled K=2": (spec_run(Ngram(2, least=1), 2, verify="coupled"), target_law, 4),
+    "speculative n-gram draft adaptive K": (spec_run(Ngram(1, least=1), 1, adaptive=True), target_law, 3),
     "speculative int4 draft K=2": (spec_run(Q_DRAFT, 2, target=Q_TARGET), q_target_law, 4),
     "speculative int4 draft coupled K=2": (spec_run(Q_DRAFT, 2, verify="coupled", target=Q_TARGET),
                                            q_target_law, 4),
@@ -245,6 +248,31 @@ def test_a_policy_that_peeks_at_a_draw_to_come_breaks_the_law():
         return lambda rng: speculative.decode(TARGET, DRAFT, PROMPT, sampler=sampler, rng=rng, max_new_tokens=n,
                                               policy=Peeking(rng))
     sampler = SAMPLERS["t=1.2,top-p=0.9"]                  # the fewest branches: ~3 s (gap 0.019)
+    assert max_gap(decoder_law(run(sampler, 4), 4), target_law(sampler, 4)) > 1e-4
+
+
+class PeekingNgram(NgramPair):
+    """The broken variant of the n-gram draft: silent where the accept draw to come is high (where
+    its guess would likely fail), so whether it proposes follows a draw not yet made."""
+    rng = None
+
+    def propose(self, tokens, positions):
+        a = super().propose(tokens, positions)
+        at = int(positions[-1]) + 1                              # the position it would draft
+        return a if a is not None and self.rng.bernoulli(0.5, "accept", at) else None
+
+
+def test_an_ngram_draft_silent_by_a_draw_to_come_breaks_the_law(monkeypatch):
+    # Why: an n-gram draft may stop short of K (engine/draft.py's subtle: the law holds because
+    # whether it proposes is a function of the text alone); the proof must fail for a draft
+    # whose silence follows the verification's own draw at that position
+    def run(sampler, n):
+        def go(rng):
+            PeekingNgram.rng = rng
+            monkeypatch.setattr(speculative, "pair_for", lambda t, d, cap, scratch: PeekingNgram(t, d, cap, scratch))
+            return speculative.decode(TARGET, Ngram(1, least=1), PROMPT, sampler=sampler, rng=rng, max_new_tokens=n, num_draft=2)
+        return go
+    sampler = SAMPLERS["t=1.2,top-p=0.9"]
     assert max_gap(decoder_law(run(sampler, 4), 4), target_law(sampler, 4)) > 1e-4
 
 

@@ -12,7 +12,7 @@ from engine import speculative
 from conftest import int4_copy
 from engine.adapt.policy import DraftLength
 from engine.draft import SeparatePair
-from engine.draft import EarlyExit
+from engine.draft import EarlyExit, Ngram, NgramPair
 from engine.generate import Stats, generate, plain
 from engine.llama import LlamaConfig
 from engine.sampling import Random, Sampler
@@ -30,8 +30,9 @@ def near_copy(target, seed, eps=0.05):
 
 
 def make_pair(kind, seed):
-    """(target, draft) of one of four kinds: a stranger, a near copy, an early exit, and the
-    target's own weights in 4 bits (bf16 activations: a draft that rounds apart from it)."""
+    """(target, draft) of one of five kinds: a stranger, a near copy, an early exit, the
+    target's own weights in 4 bits (bf16 activations: a draft that rounds apart from it), and
+    the text's n-grams (n = 1..3: a draft that proposes only where the text repeats)."""
     if kind == "int4":
         target = tiny_llama(seed % 5, n_layers=2 + seed % 2, hidden=64)
         return target, int4_copy(target)
@@ -40,6 +41,8 @@ def make_pair(kind, seed):
         return target, tiny_llama(seed % 5 + 7)
     if kind == "near":
         return target, near_copy(target, seed)
+    if kind == "ngram":
+        return target, Ngram(1 + seed % 3, least=1 + seed % 2)
     return target, EarlyExit(1 + seed % target.config.n_layers)    # layers:L, L < n_layers or all
 
 
@@ -56,7 +59,7 @@ def same_as_plain(kind, seed, K, P, budget, sampler=GREEDY, verify="rejection", 
     return got == want
 
 
-KINDS = st.sampled_from(["other", "near", "self"] + (["int4"] if DEVICE.type == "cpu" else []))  # int4: CPU only
+KINDS = st.sampled_from(["other", "near", "self", "ngram"] + (["int4"] if DEVICE.type == "cpu" else []))  # int4: CPU only
 
 
 # --------------------------------------------------------------------------- greedy
@@ -231,8 +234,11 @@ def test_a_draft_with_another_vocab_is_a_clear_error():
 
 # --------------------------------------------------------------------------- the tests have teeth
 
-def accept_blindly(p, q, drafts, rng, position):
-    return drafts + [int(p[len(drafts)].argmax())]
+def accept_blindly(first, rows, candidates, sampler, rng, position):
+    # greedy verification is the match (one-hot p and q: rejection's own answer); this one keeps
+    # every draft and adds the bonus after the last
+    drafts = candidates[0].tolist()
+    return drafts + [int((rows[0, -1] if drafts else first).argmax())], 0
 
 
 def forget_draft_rollback(self, n):
@@ -245,7 +251,7 @@ def keep_one_stale_slot(self, n):                        # the first rejected dr
 
 
 MUTANTS = {
-    "accept without comparing": ("verify_rejection", accept_blindly),
+    "accept without comparing": ("verify_match", accept_blindly),
     "draft cache not truncated": ("SeparatePair.rollback", forget_draft_rollback),
     "truncate one slot too late": ("SeparatePair.rollback", keep_one_stale_slot),
     "verify rows off by one": ("SeparatePair.verify", lambda self, tokens, positions, rows: self.target(
@@ -339,8 +345,38 @@ def test_each_sampled_step_drafts_the_k_its_policy_chose(kind):
 def test_the_k_contract_catches_a_step_that_drafts_less_when_sampling(monkeypatch):
     # the broken variant: one draft fewer whenever the law is not one-hot (sampled, K > 1)
     real = speculative.draft_then_verify
-    monkeypatch.setattr(speculative, "draft_then_verify", lambda pair, seq, k, sampler, rng, stream:
-                        real(pair, seq, k - 1 if k > 1 and not sampler.greedy else k, sampler, rng, stream))
+    monkeypatch.setattr(speculative, "draft_then_verify", lambda pair, seq, k, sampler, rng, stream, **how:
+                        real(pair, seq, k - 1 if k > 1 and not sampler.greedy else k, sampler, rng, stream, **how))
     pairs = drafted_against_asked("near", 0)
     assert any(drafted != asked for drafted, asked in pairs)
     assert all(d == a for d, a in drafted_against_asked("near", 0, temperature=0.0))   # greedy: unseen
+
+
+def test_an_ngram_draft_proposes_the_token_after_the_texts_latest_match_and_no_forward():
+    # Why: the text's n-grams are a draft with no model: where the last tokens occurred before it
+    # guesses what followed them (a one-hot law), and where they did not it is silent and the
+    # step is plain's. Its steps draft at most K (the policy's bound) and run no draft forward.
+    target = tiny_llama(0)
+    pair = NgramPair(target, Ngram(3), capacity=32, scratch=4)
+    ids = lambda *t: torch.tensor([t])
+    a = pair.propose(ids(3, 4, 5, 6, 3, 4, 5), torch.arange(7))     # 6 followed 3 4 5
+    assert GREEDY.probs(a).argmax() == 6 and Sampler(1.3, top_p=0.5).probs(a)[6] == 1.0
+    assert pair.propose(ids(9), torch.arange(7, 8)) is None            # 9 never came before
+    assert NgramPair(target, Ngram(3), 32, 4).propose(ids(3, 4, 5, 6, 2, 5), torch.arange(6)) is None  # one token: too short
+    latest = NgramPair(target, Ngram(3, least=1), 32, 4).propose(ids(3, 4, 5, 6, 3, 4, 9, 3), torch.arange(8))
+    assert latest.argmax() == 4                                        # of two 3s, the latest's next
+    stats = Stats()
+    steps = decode(target, Ngram(2, least=1), [1, 2, 1, 2, 1], sampler=GREEDY, rng=Random(0), max_new_tokens=24, num_draft=3)
+    for step in steps:
+        assert step.drafted <= 3 and step.draft_forwards == 0
+        stats.drafted += step.drafted
+        if stats.drafted > 6:
+            break
+    assert stats.drafted > 6                   # tiny models repeat themselves: it drafted
+
+
+def test_the_amateur_is_never_the_texts_ngrams():
+    # Why: contrastive weighs the amateur's whole law against the expert's; n-grams have none
+    from engine import contrastive
+    with pytest.raises(ValueError, match="amateur is a model"):
+        next(contrastive.decode(tiny_llama(0), Ngram(3), [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=2))

@@ -10,7 +10,7 @@ from conftest import tiny_llama, unnamed_decoders
 from engine import contrastive, lookahead, lookup, speculative
 from engine.adapt import policy
 from engine.decoders import DECODERS
-from engine.draft import EarlyExit
+from engine.draft import EarlyExit, Ngram
 from engine.generate import generate, plain
 from engine.sampling import Random, Sampler
 from engine.trace import Tracer, claimed, traced
@@ -34,6 +34,8 @@ TRACED = {   # label naming its registry decoder -> (sampler, rng, trace) -> ste
     "speculative adaptive self-draft": lambda s, r, t: speculative.decode(
         TARGET, EarlyExit(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
         policy=policy.draft_length(TARGET, EarlyExit(1))),
+    "speculative n-gram draft": lambda s, r, t: speculative.decode(
+        TARGET, Ngram(2, least=1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=3, trace=t),
     "contrastive": lambda s, r, t: contrastive.decode(
         TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
     "speculative contrastive": lambda s, r, t: contrastive.decode(
@@ -110,6 +112,16 @@ def test_every_registered_decoder_is_traced_here():
     # to the truth by the tests above: one label of TRACED at least names it
     assert unnamed_decoders(TRACED) == []
 
+
+
+def test_an_ngram_drafts_short_step_says_it_ran_out_of_matches():
+    # Why: a step of the text's n-grams drafts fewer than the K it was asked where the text stops
+    # repeating; the trace must say so, not show a smaller K as if the policy had chosen it
+    tracer = Tracer(letters)
+    infos = [s.trace for s, _ in zip(TRACED["speculative n-gram draft"](Sampler(), Random(0), True), range(24))]
+    short = [t for t in infos if not t["first"] and t["asked"] > t["k"]]
+    assert short and all("3 asked; the n-gram draft found no match past" in tracer.speculative("@", t)[0] for t in short)
+    assert all("asked" not in tracer.speculative("@", t)[0] for t in infos if t["asked"] == t["k"])
 
 
 def test_a_trace_claimed_has_no_rule_for_is_one_line_naming_the_keys_it_needs():

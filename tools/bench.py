@@ -30,7 +30,7 @@ import torch
 from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
 from engine.doors.session import build, prices as machine_prices
-from engine.draft import EarlyExit, resident_bytes
+from engine.draft import EarlyExit, Ngram, resident_bytes
 from engine.fast.aot import compile_step
 from engine.fast.packed import exact_by_default, prepack, quantize_int4
 from engine.generate import Stats, Step, generate
@@ -239,6 +239,8 @@ CONFIGS = {
     "lookahead W15 N5 G15": ("lookahead", None, dict(window=15, ngram=5, guesses=15)),
     "speculative L=12 K=3": ("speculative", EarlyExit(12), dict(num_draft=3)),
     "speculative L=20 adaptive": ("speculative", EarlyExit(20), dict(adaptive=True)),
+    # what --draft auto takes on the 4-bit path: the text's n-grams (engine/draft.py, Ngram)
+    "speculative n-gram adaptive": ("speculative", Ngram(), dict(adaptive=True)),
     "lookup": ("lookup", None, dict(adaptive=True)),     # as the CLI runs it: copies cut to what pays
     "lookup K=8": ("lookup", None, {}),                      # the textbook: 8 tokens at every match
     # plain once more, later in each round: its cells are the noise every other row sits in
@@ -260,14 +262,12 @@ def baseline(name: str, configs) -> str:
 
 
 def compiled_configs(checkpoint: Path, suffix: str, eos_ids, max_new_tokens: int) -> dict:
-    """`--compile`: plain, lookahead auto, lookup, speculative with a 20-layer self-draft (its
-    halves on graphs of their own) and plain again (the noise) on the exact 4-bit path compiled
-    ahead of time (engine/fast/aot.py, the CLI's --compile), each held to the compiled plain's tokens
-    (`baseline`)."""
-    draft = CONFIGS["speculative L=20 adaptive"][1].layers
-    model = compile_step(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress, splits=[draft])
+    """`--compile`: plain, lookahead auto, lookup, speculative with its default draft there (the
+    text's n-grams) and plain again (the noise) on the exact 4-bit path compiled ahead of time
+    (engine/fast/aot.py, the CLI's --compile), each held to the compiled plain's tokens (`baseline`)."""
+    model = compile_step(build(checkpoint, dtype=torch.bfloat16, int4=True), notify=progress)
     names = {f"{name}{suffix} --compile": name
-             for name in ("plain", "lookahead auto", "lookup", "speculative L=20 adaptive", "plain again")}
+             for name in ("plain", "lookahead auto", "lookup", "speculative n-gram adaptive", "plain again")}
     return {mine: (lambda p, c=CONFIGS[name]: decode_once(model, p, c, max_new_tokens, eos_ids))
             for mine, name in names.items()}
 
@@ -571,7 +571,7 @@ def parse_args(argv: list[str] | None) -> argparse.Namespace:
     p.add_argument("--device", default="cpu")
     p.add_argument("--dtype", default="float32", choices=sorted(DTYPES))
     p.add_argument("--compile", action="store_true",
-                   help="add plain, lookahead auto, lookup, speculative L=20 adaptive and plain again on the exact "
+                   help="add plain, lookahead auto, lookup, speculative n-gram adaptive and plain again on the exact "
                         "4-bit path compiled ahead of time "
                         "(engine/fast/aot.py, the CLI's --compile; built once), held to the compiled plain's tokens")
     p.add_argument("--int4", action="store_true",

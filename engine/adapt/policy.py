@@ -25,7 +25,7 @@ from typing import Callable, NamedTuple
 
 import torch
 
-from engine.draft import EarlyExit
+from engine.draft import Draft, EarlyExit, Ngram
 from engine.llama import Llama
 from engine.lookup import find
 
@@ -44,6 +44,11 @@ SLOPE = {
     ("cuda", ""): 0.005,                # a GPU is far from its compute peak at a few rows (not measured here)
 }
 UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must earn its rows
+# The text's n-grams as a draft (draft.Ngram(3), matches of 3 or 2 tokens), scored on the greedy
+# texts of SmolLM2-135M (4-bit path) for the 14 bench prompts, 64 tokens: at NGRAM_HITS of the
+# positions it has a guess, and the guess is the next token NGRAM_PRIOR of the time (its prior
+# alpha; chat 0.04 and 0.40, extraction 0.79 and 0.81)
+NGRAM_HITS, NGRAM_PRIOR = 0.36, 0.68
 DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
     ("Int4Linear", "AVX512"): 0.41,     # the target in 4 bits: Zen 4 0.41, Zen 5 (Q8 head) 0.43 (docs/draft-price.json)
     ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
@@ -298,7 +303,7 @@ class DraftLength:
                                     best_k(self.accepted / self.trials, self.c_draft, self.c_verify, self.most) else "")
 
 
-def costs(target: Llama, draft: Llama | EarlyExit,
+def costs(target: Llama, draft: Draft,
           prices: Prices = Prices()) -> tuple[float, Callable[[int], float], float]:
     """(cost of one draft token, K -> cost of the verifying forward, prior alpha), in units of a
     one-row target forward. Without a measured `prices.draft`, a draft of the target's own
@@ -306,9 +311,12 @@ def costs(target: Llama, draft: Llama | EarlyExit,
     one its share of parameters.
 
     The prior: a self-draft or a foreign draft 1/2; a copy of the target in fewer bits 0.9
-    (4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md).
+    (4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md); the
+    text's n-grams NGRAM_PRIOR, where they have a token to propose.
     """
     rows = row_cost(target, prices.table)
+    if isinstance(draft, Ngram):           # no forward: a draft token costs its verify row alone
+        return 0.0, lambda k: rows(k + 1), NGRAM_PRIOR
     if isinstance(draft, EarlyExit):       # layers < L: 1 row per draft; the rest on K+1 rows
         lower = layer_share(target, draft.layers)
         head = 1 - layer_share(target, target.config.n_layers)
@@ -323,14 +331,14 @@ def costs(target: Llama, draft: Llama | EarlyExit,
     return c, lambda k: rows(k + 1), 0.9 if copy else 0.5
 
 
-def four_bit_copy(target: Llama, draft: Llama | EarlyExit) -> bool:
+def four_bit_copy(target: Llama, draft: Draft) -> bool:
     """Whether `draft` has the target's config in 4-bit layers (--draft int4, or a 4-bit target's
     own checkpoint as its draft): its price is measured (engine/adapt/cost.py, draft_price)."""
     return isinstance(draft, Llama) and draft.config == target.config \
         and type(draft.layers[0].feed_forward.w13).__name__ == "Int4Linear"
 
 
-def draft_length(target: Llama, draft: Llama | EarlyExit, prices: Prices = Prices(),
+def draft_length(target: Llama, draft: Draft, prices: Prices = Prices(),
                  start: int | None = None, most: int = 16) -> DraftLength:
     """Speculative decoding's policy; it starts at `start`, or where the prior and prices say
     (K = 0 for a draft that costs most of a forward)."""
@@ -339,13 +347,19 @@ def draft_length(target: Llama, draft: Llama | EarlyExit, prices: Prices = Price
     return DraftLength(k, most, c_draft, c_verify, prior)
 
 
-def pays(target: Llama, draft: Llama | EarlyExit, prices: Prices = Prices()) -> float:
-    """Tokens per unit of cost at the draft's prior alpha and its best K (1.0: plain's pace)."""
+def pays(target: Llama, draft: Draft, prices: Prices = Prices()) -> float:
+    """Tokens per unit of cost at the draft's prior alpha and its best K (1.0: plain's pace).
+    The text's n-grams draft on NGRAM_HITS of the steps only, the rest being plain steps:
+        (h E(K) + 1 - h) / (h c_verify(K) + 1 - h),   E(K) = sum_{i<=K} alpha^i"""
     c_draft, c_verify, prior = costs(target, draft, prices)
-    return rate(prior, best_k(prior, c_draft, c_verify, 16), c_draft, c_verify)
+    k = best_k(prior, c_draft, c_verify, 16)
+    if not isinstance(draft, Ngram):
+        return rate(prior, k, c_draft, c_verify)
+    h, tokens = NGRAM_HITS, sum(prior ** i for i in range(k + 1))
+    return (h * tokens + 1 - h) / (h * (c_verify(k) if k else 1.0) + 1 - h)
 
 
-def pick_draft(target: Llama, drafts: list[tuple[Llama | EarlyExit, Prices]]) -> Llama | EarlyExit:
+def pick_draft(target: Llama, drafts: list[tuple[Draft, Prices]]) -> Draft:
     """--draft auto: of (draft, its prices) pairs, the draft that `pays` most; the first of equals."""
     return max(drafts, key=lambda d: pays(target, *d))[0]
 
@@ -373,7 +387,7 @@ def for_lookup(model: Llama, prices: Prices, knobs: dict) -> CopyLength:
     return CopyLength(doubted(row_cost(model, prices.table)))
 
 
-def for_speculative(target: Llama, draft: Llama | EarlyExit, prices: Prices, knobs: dict) -> DraftLength:
+def for_speculative(target: Llama, draft: Draft, prices: Prices, knobs: dict) -> DraftLength:
     return draft_length(target, draft, prices, start=knobs.get("num_draft"))
 
 

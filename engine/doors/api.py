@@ -8,7 +8,8 @@
     print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
 
 `Engine.load`'s keywords are the CLI's loading flags, `tokens`' its decoding ones: a decoder by
-name, its knobs as keywords, `second=` a Llama or an early exit (EarlyExit(L), or just L),
+name, its knobs as keywords, `second=` a Llama or an early exit (EarlyExit(L), or just L), or
+for speculative the text's n-grams (Ngram(n)),
 `adaptive` as --adaptive, priced as the CLI prices. A str prompt is chat-templated as there; a
 list of ids is sent as it is. A bad argument is a ValueError before any token (a decoder's
 knob: at its first token's read), as the CLI's `error:` lines are.
@@ -26,7 +27,7 @@ from engine.doors.session import (build, check_compile, check_device, check_cont
                                   say, wire)
 from engine.fast.aot import compile_step
 from engine.doors.receipt import receipt
-from engine.draft import EarlyExit
+from engine.draft import Draft, EarlyExit, Ngram
 from engine.generate import Stats, generate, plain
 from engine.llama import Llama
 from engine.load.tokenizer import StreamDecoder, Tokenizer
@@ -69,7 +70,7 @@ class Engine:
 
     def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               second: int | EarlyExit | Llama | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
+               second: int | Draft | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
         """New token ids as they are accepted, EOS included when it comes. Not a generator
         itself: its arguments are checked when it is called, its tokens drawn as they are read."""
         ids = self.ids(prompt)
@@ -90,8 +91,8 @@ class Engine:
         if (second is None) != (d.second is None):
             raise ValueError(f"{decoder} takes second= (a Llama, or a layer count: an early exit)" if second is None
                              else f"{decoder} takes no second model")
-        if second is not None and (isinstance(second, bool) or not isinstance(second, (int, EarlyExit, Llama))):
-            raise ValueError(f"second= is a layer count (an early exit), EarlyExit(L) or a Llama, got {second!r}")
+        if second is not None and (isinstance(second, bool) or not isinstance(second, (int, EarlyExit, Ngram, Llama))):
+            raise ValueError(f"second= is a layer count (an early exit), EarlyExit(L), Ngram(n) or a Llama, got {second!r}")
         extra = () if second is None else (EarlyExit(second) if isinstance(second, int) else second,)
         if extra:
             compile_early_exit(self.model, extra[0], say)   # its halves compiled too, where the step is

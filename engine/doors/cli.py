@@ -25,11 +25,11 @@ import torch
 
 from engine.adapt.cost import kept_path, load_table, table_key
 from engine.adapt.policy import Prices, pick_draft
-from engine.decoders import DECODERS, SELF_DRAFT_LAYERS, Decoder, Second
+from engine.decoders import DECODERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
 from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
                                   prices, wire)
-from engine.draft import EarlyExit, resident_bytes
+from engine.draft import EarlyExit, Ngram, resident_bytes
 from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate, plain
 from engine.kvcache import ATEN_CAPABILITY
@@ -150,13 +150,14 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 
 def models(args, ckpt) -> tuple:
-    """The second model a decoder needs: a checkpoint dir, `layers:L` of the target itself, or
-    (--draft) `int4`, the target's checkpoint loaded again in 4 bits, or `auto`."""
+    """The second model a decoder needs: a checkpoint dir, `layers:L` of the target itself,
+    `ngram[:n]` (--draft: the text's own n-grams), or (--draft) `int4`, the target's checkpoint
+    loaded again in 4 bits, or `auto`: that 4-bit draft where it can be built, else the n-grams."""
     d = DECODERS[args.decoder]
     if d.second is None:
         return ()
     spec = getattr(args, d.second.flag)
-    if d.second.flag == "draft" and spec in ("int4", "auto"):   # int4 where it can be built, else auto self-drafts
+    if d.second.flag == "draft" and spec in ("int4", "auto"):   # int4 where it can be built, else auto: n-grams
         if args.int4 or args.device != "cpu":
             why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself"
             why += " (pass --dtype float32 for an fp32 target)" if args.int4 else ""
@@ -170,15 +171,13 @@ def models(args, ckpt) -> tuple:
             except ValueError as e:       # shapes that do not pack in groups of 32
                 why = f"--draft int4: {e}"
         if spec == "auto":
-            return (self_draft(load_config(ckpt).n_layers),)
+            return (Ngram(),)
         raise ValueError(why)
+    if spec == "ngram" or spec.startswith("ngram:"):
+        return (Ngram(int(spec.split(":", 1)[1])) if ":" in spec else Ngram(),)   # check_flags saw to n
     if not spec.startswith("layers:"):
         return (load(spec, args),)
     return (EarlyExit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
-
-
-def self_draft(n_layers: int) -> EarlyExit:
-    return EarlyExit(min(SELF_DRAFT_LAYERS, max(n_layers - 1, 1)))
 
 
 def knobs(args) -> dict:
@@ -189,7 +188,7 @@ def knobs(args) -> dict:
 def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     """The second model and the policy's prices: this machine's cost table (measured once,
     then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
-    pays more than the self-draft at their priors (engine/adapt/policy.py, pick_draft)."""
+    pays more than the text's n-grams at their priors (engine/adapt/policy.py, pick_draft)."""
     # a measurement's start is said at once to a terminal (it takes seconds), where it went after
     # the answer; subtle: not to a pipe, whose reader is promised one error line for a request
     # refused after pricing (a self-draft deeper than the model is the decoder's to say)
@@ -201,9 +200,9 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     if args.trace:   # with the run's notes, after its steps: a trace opens with its first step
         notes.append(f"prices: the k-row costs in {args.priced_by}")
     if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
-        own = self_draft(model.config.n_layers)
-        pick = pick_draft(model, [(own, Prices(p.table)), (second[0], p)])
-        return (pick,), Prices(p.table) if pick is own else p
+        text = Ngram()
+        pick = pick_draft(model, [(text, Prices(p.table)), (second[0], p)])
+        return (pick,), Prices(p.table) if pick is text else p
     return second, p
 
 
@@ -242,6 +241,13 @@ def check_flags(args) -> None:
         L = (spec or "").removeprefix("layers:")
         if flag != "checkpoint" and L != spec and not (L.isascii() and L.isdigit()):
             raise ValueError(f"--{flag} {spec!r}: expected layers:L with L an integer")
+        n = (spec or "").removeprefix("ngram").removeprefix(":")
+        if flag != "checkpoint" and (spec or "").startswith("ngram") and (
+                spec not in ("ngram", f"ngram:{n}") or n and not (n.isascii() and n.isdigit() and 1 <= int(n) <= 64)):
+            raise ValueError(f"--{flag} {spec!r}: expected ngram or ngram:n with n an integer in [1, 64]")
+        if flag == "amateur" and (spec or "").startswith("ngram"):
+            raise ValueError(f"--amateur {spec!r}: the amateur is a model (a checkpoint or layers:L); "
+                             "n-grams draft for speculative only")
     t = args.amateur_temperature   # the same rule as Sampler's temperature (sampling.py)
     if not (math.isfinite(t) and t >= 1e-4):
         raise ValueError(f"--amateur-temperature must be a finite number >= 1e-4 (a smaller one "
@@ -390,6 +396,8 @@ def second_model(args, second: tuple) -> dict:
         return {}
     flag = DECODERS[args.decoder].second.flag
     m, spec = second[0], getattr(args, flag)
+    if isinstance(m, Ngram):                 # the text itself: no weights
+        return {flag: f"ngram:{m.n}", f"{flag}_mb": 0.0}
     if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
         return {flag: f"layers:{m.layers}", f"{flag}_mb": 0.0}
     name = "int4" if spec in ("int4", "auto") else spec
@@ -480,6 +488,8 @@ def stats_line(r: dict) -> str:
         if m in r:
             mb = f", +{r[m + '_mb']:.0f} MB" if r[m + "_mb"] else ""
             draft = f" | {r['draft_forwards']} draft forwards ({'amateur ' * (m == 'amateur')}{r[m]}{mb})"
+            if r[m].startswith("ngram"):   # the text drafts: no model, no forwards
+                draft = f" | draft {r[m]} (the text's own n-grams, no forwards)"
     acc = "" if r["acceptance"] is None else (
         f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"
         + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))

@@ -4,9 +4,10 @@ them. Speculative decoding calls them draft and target, contrastive decoding ama
 The cheap model is another Llama with its own cache, or an early exit: the target's own layers
 [0, L), read out through its final norm and LM head (a self-draft: Zhang et al. 2023, arXiv
 2309.08168, skip layers; LayerSkip, Elhoushi et al. 2024, arXiv 2404.16710, exits early, as
-here). Speculative decoding's draft may also be the text itself (`Ngram`): no model at all. Layer i's K/V depend only on layers < i, so an early exit's K/V *are* the target's:
+here). Layer i's K/V depend only on layers < i, so an early exit's K/V *are* the target's:
 both share one cache, and the target's check resumes from the draft's layer-L stream,
-computing only layers [L, n).
+computing only layers [L, n). Speculative decoding's draft may also be the text itself
+(`Ngram`): no model at all, the target alone on its cache.
 
     pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (api.build(ckpt, int4=True):
                                                       # the target's weights in 4 bits), EarlyExit(L), Ngram(n)
@@ -54,8 +55,9 @@ class Ngram:
     this one is the context's own n-gram model: deterministic (q is one-hot at its token), with
     no forward to run, and silent where nothing matches, so a step drafts only as far as the
     text repeats (`--draft ngram`; lookup decoding is the same guess under its own policy).
-    least = 2: on the bench's texts a one-token match's guess was right 9% of the time in chat,
-    a two-token match's 40% (and 68% over all prompts; engine/adapt/policy.py, NGRAM_PRIOR)."""
+    least = 2: on the bench's chat texts a guess after any match (one token or more) was the next
+    token 9% of the time, after a match of two or more 40% (68% over all prompts:
+    engine/adapt/policy.py, NGRAM_PRIOR)."""
     n: int = 3
     least: int = 2
 

@@ -34,7 +34,7 @@ import torch
 from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
 from engine.doors.session import prices
-from engine.draft import EarlyExit
+from engine.draft import EarlyExit, Ngram
 from engine.fast.invariant import rows_round_alike
 from engine.generate import generate
 from engine.kvcache import KVCache
@@ -72,6 +72,11 @@ def runs() -> list[Run]:
         Run("speculative K4 coupled", sp.decode, (draft,), lambda m: {"num_draft": 4, "verify": "coupled"}),
         Run("speculative policy coupled", sp.decode, (draft,),
             lambda m: {"verify": "coupled", "policy": POLICIES["speculative"].build(m, draft, prices(m, draft), {})}),
+        # the 4-bit path's default draft: the text's n-grams (rejection: greedy only, sampled it keeps the law)
+        Run("speculative n-gram policy", sp.decode, (Ngram(),),
+            lambda m: {"policy": POLICIES["speculative"].build(m, Ngram(), prices(m), {})}, ("greedy",)),
+        Run("speculative n-gram policy coupled", sp.decode, (Ngram(),),
+            lambda m: {"verify": "coupled", "policy": POLICIES["speculative"].build(m, Ngram(), prices(m), {})}),
         Run("contrastive beta=0 K3 amateur 8", cd.decode, (EarlyExit(8),),
             lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
     ]

@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from conftest import tiny_llama
-from engine.draft import EarlyExit
 
 
 def test_forward_cost_reports_every_k_for_every_model():
@@ -85,14 +84,13 @@ def test_compiled_rows_are_held_to_the_compiled_plains_tokens(monkeypatch):
     import tools.bench as bench
     other = tiny_llama(1, vocab=8)                     # "compiled": another model, other tokens
     monkeypatch.setattr(bench, "build", lambda *a, **k: other)
-    monkeypatch.setattr(bench, "compile_step", lambda model, notify, splits: model)
-    monkeypatch.setitem(bench.CONFIGS, "speculative L=20 adaptive", ("speculative", EarlyExit(1), dict(adaptive=True)))
+    monkeypatch.setattr(bench, "compile_step", lambda model, notify: model)
     configs = {"plain": bench.CONFIGS["plain"]} | bench.compiled_configs(Path("."), "", (), 10)
     assert set(configs) == {"plain", "plain --compile", "lookahead auto --compile", "lookup --compile",
-                            "speculative L=20 adaptive --compile", "plain again --compile"}
+                            "speculative n-gram adaptive --compile", "plain again --compile"}
     table = bench.compare(tiny_llama(0, vocab=8), {"a": [[1, 2, 3, 1, 2, 3]]}, configs, repeats=1, max_new_tokens=10)
     assert table["plain --compile"]["a"]["same_tokens_as_plain"] == 0.0     # another path
-    for name in ("lookahead auto", "lookup", "speculative L=20 adaptive", "plain again"):
+    for name in ("lookahead auto", "lookup", "speculative n-gram adaptive", "plain again"):
         assert table[f"{name} --compile"]["a"]["same_tokens_as_plain"] == 1.0
 
 

@@ -103,10 +103,11 @@ class Tracer:
     def speculative(self, head, t):
         rule = "(u < p/q)" if t["verify"] == "rejection" else "(the target's own draw is x)"
         short = t.get("asked", t["k"]) > t["k"]   # the text's n-grams ran out before K
-        out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}"
-               + ("  (the prompt's step: plain's)" if t.get("first") else
-                  f"  ({t['asked']} asked; the n-gram draft found no match past {t['k']})" if short else
-                  "  (K = 0: a plain step)" if t["k"] == 0 else "")]
+        note = ("  (the prompt's step: plain's)" if t.get("first") else
+                f"  ({t['asked']} asked; the n-grams ran out after {t['k']})" if short and t["k"] else
+                f"  ({t['asked']} asked; the n-grams had no match: a plain step)" if short else
+                "  (K = 0: a plain step)" if t["k"] == 0 else "")
+        out = [f"{head} K={t['k']}{' (adaptive)' if t['adaptive'] else ''} {t['verify']}{note}"]
         out += [f"  why: {t['why']}"] if t.get("why") else []
         out += self.drafts(t["drafts"], rule, t.get("greedy", False))
         return out + [self.last(t), f"  emitted {self.show(claimed(t))}"]

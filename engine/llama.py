@@ -2,7 +2,9 @@
 
 Llama 2 / Llama 3 architecture (Touvron et al. 2023, arXiv 2307.09288): RMSNorm, rotary
 position embeddings (Su et al. 2021, arXiv 2104.09864; HF half-split layout), grouped-query
-attention (Ainslie et al. 2023, arXiv 2305.13245) and a SwiGLU MLP (Shazeer 2020).
+attention (Ainslie et al. 2023, arXiv 2305.13245) and a SwiGLU MLP (Shazeer 2020). Its
+variants are config switches: Mistral is a Llama below its sliding window, Qwen2 (Qwen team
+2024, arXiv 2407.10671) a Llama with biases on q, k and v (`qkv_bias`) and an untied head.
 
 Two things set it apart from a textbook Llama, because the decoders need them:
 - Positions are not cache slots: RoPE uses `positions`, K/V land at `cache.length`.
@@ -66,6 +68,7 @@ class LlamaConfig:
     rope_scaling: RopeScaling | None = None   # None = plain RoPE
     head_dim: int | None = None    # D; None = C / H (some checkpoints set it: H x D != C)
     attention_bias: bool = False   # biases on q, k, v and o
+    qkv_bias: bool = False         # biases on q, k and v only (Qwen2)
     mlp_bias: bool = False         # biases on gate, up and down
     sliding_window: int | None = None  # set when it capped max_seq_len (engine/load/config.py)
 
@@ -161,9 +164,9 @@ class Attention(nn.Module):
         super().__init__()
         self.n_heads, self.n_kv_heads, self.head_dim = cfg.n_heads, cfg.n_kv_heads, cfg.head_dim
         # q, k and v projections stacked by rows (H*D, Hkv*D, Hkv*D): one matmul, not three
-        qkv, bias = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim, cfg.attention_bias
-        self.wqkv = nn.Linear(cfg.dim, qkv, bias=bias)
-        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=bias)
+        qkv = (cfg.n_heads + 2 * cfg.n_kv_heads) * cfg.head_dim
+        self.wqkv = nn.Linear(cfg.dim, qkv, bias=cfg.attention_bias or cfg.qkv_bias)
+        self.wo = nn.Linear(cfg.n_heads * cfg.head_dim, cfg.dim, bias=cfg.attention_bias)
         # the kernel: SDPA, or one whose rows round alike however many share a call (invariant.py)
         self.attend = F.scaled_dot_product_attention
 

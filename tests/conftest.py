@@ -40,11 +40,13 @@ def int4_copy(target: Llama) -> Llama:
 
 
 def tiny_llama(seed: int = 0, vocab: int = 16, n_layers: int = 2, tie: bool = False,
-               scale: float = 1.0, hidden: int = 48) -> Llama:
+               scale: float = 1.0, hidden: int = 48, dim: int = 32, heads: int = 4,
+               qkv_bias: bool = False) -> Llama:
     """A random float64 Llama (C=32, H=4, Hkv=2, F=48) whose every weight is drawn from `seed`;
-    hidden=64 gives layer shapes that pack in 4-bit groups of 32 (conftest.int4_copy)."""
-    cfg = LlamaConfig(dim=32, n_layers=n_layers, n_heads=4, n_kv_heads=2, hidden_dim=hidden,
-                      vocab_size=vocab, rope_theta=10000.0, tie_embeddings=tie)
+    hidden=64 gives layer shapes that pack in 4-bit groups of 32 (conftest.int4_copy);
+    qkv_bias: Qwen2's shape (biases on q, k, v), with `dim` and `heads` its size."""
+    cfg = LlamaConfig(dim=dim, n_layers=n_layers, n_heads=heads, n_kv_heads=heads // 2, hidden_dim=hidden,
+                      vocab_size=vocab, rope_theta=10000.0, tie_embeddings=tie, qkv_bias=qkv_bias)
     model = Llama(cfg).double()
     g = torch.Generator().manual_seed(seed)
     for name, p in sorted(model.named_parameters()):

@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from engine.fast.packed import quantize_int4
+from engine.fast import prepared
 from engine.fast.prepared import int4_model
 from engine.load.weights import load_model
 
@@ -47,7 +48,7 @@ def broken(path, kind: str, other=None) -> None:
     elif kind == "empty":
         path.write_bytes(b"")
     elif kind == "foreign":   # the same bytes but another key: written by another version or machine
-        path.write_bytes(data.replace(b"prepared 1", b"prepared 0"))
+        path.write_bytes(data.replace(prepared.VERSION.encode(), b"prepared 0"))
     elif kind == "wrong model":
         shutil.copyfile(other, path)
 

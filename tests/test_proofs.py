@@ -25,6 +25,10 @@ DRAFT = tiny_llama(6, vocab=V, n_layers=1, scale=1.5)
 # its law q is near p but not equal: every branch of the verification is walked)
 Q_TARGET = tiny_llama(7, vocab=V, n_layers=2, scale=1.5, hidden=64)
 Q_DRAFT = int4_copy(Q_TARGET)
+# a draft-target pair as the Qwen2.5-Coder pair is one (tools/pair.py): two Qwen2-shaped models
+# of one vocabulary, the draft narrower and shallower, weights of its own
+F_TARGET = tiny_llama(8, vocab=V, n_layers=3, scale=1.5, qkv_bias=True)
+F_DRAFT = tiny_llama(9, vocab=V, n_layers=1, scale=1.5, qkv_bias=True, dim=16, heads=2, hidden=24)
 SAMPLERS = {"t=1": Sampler(1.0), "t=0.7,top-k=3": Sampler(0.7, top_k=3), "t=1.2,top-p=0.9": Sampler(1.2, top_p=0.9)}
 
 
@@ -158,6 +162,10 @@ def q_target_law(sampler, n, eos=()):
     return reference_law(llama_next_probs(Q_TARGET, PROMPT, sampler), n, eos)
 
 
+def f_target_law(sampler, n, eos=()):
+    return reference_law(llama_next_probs(F_TARGET, PROMPT, sampler), n, eos)
+
+
 # name -> (run(sampler, budget) -> (rng -> decoder), law(sampler, budget, eos) -> law, budget)
 ENTRIES = {
     "plain": (plain_run, target_law, 3),
@@ -174,6 +182,10 @@ ENTRIES = {
     "speculative int4 draft coupled K=2": (spec_run(Q_DRAFT, 2, verify="coupled", target=Q_TARGET),
                                            q_target_law, 4),
     "speculative int4 draft adaptive K": (spec_run(Q_DRAFT, 1, adaptive=True, target=Q_TARGET), q_target_law, 3),
+    "speculative family draft K=2": (spec_run(F_DRAFT, 2, target=F_TARGET), f_target_law, 4),
+    "speculative family draft coupled K=2": (spec_run(F_DRAFT, 2, verify="coupled", target=F_TARGET),
+                                             f_target_law, 4),
+    "speculative family draft adaptive K": (spec_run(F_DRAFT, 1, adaptive=True, target=F_TARGET), f_target_law, 3),
     "lookahead W=2 N=3 G=2": (la_run(2, 3, 2), target_law, 3),
     "lookahead W=3 N=2 G=3": (la_run(3, 2, 3), target_law, 3),
     "lookup N=2 K=2": (lu_run(2, 2), target_law, 4),
@@ -288,13 +300,15 @@ def test_the_speculative_decoder_with_a_classic_bug_fails_its_proof(mutant, monk
     assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4
 
 
+@pytest.mark.parametrize("pair", ["int4", "family"])
 @pytest.mark.parametrize("mutant", ["always accept", "residual = p"])
-def test_the_int4_draft_pair_with_a_classic_bug_fails_its_proof(mutant, monkeypatch):
+def test_the_int4_and_family_draft_pairs_with_a_classic_bug_fail_their_proofs(mutant, pair, monkeypatch):
     # Why: a 4-bit copy's law q is close to the target's p, so a bug moves the output law only a
-    # little; the harness must still see it (exact to float64, not a sampled estimate).
+    # little; the harness must still see it (exact to float64, not a sampled estimate). The same
+    # for a draft of the target's family, with biases and shapes of its own
     from test_sampling import MUTANTS
     monkeypatch.setattr(speculative, "verify_rejection", MUTANTS[mutant][0])
-    run, law, n = ENTRIES["speculative int4 draft K=2"]
+    run, law, n = ENTRIES[f"speculative {pair} draft K=2"]
     sampler = Sampler(1.0)
     assert max_gap(decoder_law(run(sampler, n), n), law(sampler, n)) > 1e-4
 

@@ -49,6 +49,7 @@ VARIANTS = {
     "mistral, no window": {"model_type": "mistral", "sliding_window": None},
     "mistral, window = context": {"model_type": "mistral", "sliding_window": 256},
     "mistral, window 40": {"model_type": "mistral", "sliding_window": 40},   # caps the context
+    "qwen2": {"model_type": "qwen2"},            # biases on q, k, v (none on o), untied head
 }
 
 
@@ -58,8 +59,11 @@ def hf_model(name: str, seed: int = 0):
     kw = dict(vocab_size=V, hidden_size=C, intermediate_size=96, num_hidden_layers=2,
               num_attention_heads=4, num_key_value_heads=2, max_position_embeddings=256,
               bos_token_id=None, eos_token_id=None, pad_token_id=None) | VARIANTS[name]
-    if kw.pop("model_type", "llama") == "mistral":
+    kind = kw.pop("model_type", "llama")
+    if kind == "mistral":
         model = transformers.MistralForCausalLM(transformers.MistralConfig(**kw))
+    elif kind == "qwen2":
+        model = transformers.Qwen2ForCausalLM(transformers.Qwen2Config(**kw))
     else:
         model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**kw))
     model.eval()
@@ -213,6 +217,7 @@ MUTANTS = {   # name -> (module, function, fake, the variant it breaks)
     "llama3 low/high swapped": (llama, "frequencies", swap_low_high, "llama3"),
     "linear multiplies by factor": (llama, "frequencies", scale_positions_up, "linear"),
     "q/k/v biases stacked backwards": (weights, "sources", stack_qkv_biases_backwards, "biases"),
+    "qwen2's biases stacked backwards": (weights, "sources", stack_qkv_biases_backwards, "qwen2"),
 }
 
 
@@ -297,10 +302,10 @@ def test_a_sliding_window_below_the_context_caps_the_context(checkpoints):
 
 # --------------------------------------------------------------------------- fast paths
 
-@pytest.mark.parametrize("name", ["biases", "head_dim 32 (H x D != C)"])
+@pytest.mark.parametrize("name", ["biases", "qwen2", "head_dim 32 (H x D != C)"])
 def test_prepacked_and_int4_paths_run_the_variants(checkpoints, name):
-    # prepack and int4 swap only bias-free projections: a biased one stays nn.Linear (exact,
-    # unpacked), and a wide head's projections pack like any other
+    # prepack and int4 swap every projection, biased ones too (Qwen2's q, k, v): the bias is
+    # added to the packed kernel's output, so no nn.Linear is left to run unpacked
     path = checkpoints[name][1]
     tokens = torch.tensor([PROMPT])
     want = load_model(path)(tokens, torch.arange(len(PROMPT)))
@@ -309,8 +314,25 @@ def test_prepacked_and_int4_paths_run_the_variants(checkpoints, name):
     int4 = quantize_int4(load_model(path))
     got = int4(tokens, torch.arange(len(PROMPT))).float()             # 4 bits of random weights:
     assert torch.cosine_similarity(got.flatten(), want.flatten(), 0) > 0.95   # near, not equal
-    biased = [m for m in int4.modules() if isinstance(m, torch.nn.Linear) and m.bias is not None]
-    assert len(biased) == (8 if name == "biases" else 0)
+    for m in (packed, int4):
+        assert not [n for n, x in m.named_modules() if isinstance(x, torch.nn.Linear)]
+    biased = [n for n, x in int4.named_modules() if getattr(x, "bias", None) is not None]
+    assert len(biased) == (0 if name.startswith("head_dim") else 8 if name == "biases" else 2), biased   # 2 layers
+
+
+def test_a_4bit_bias_is_used_and_every_row_rounds_alike(checkpoints):
+    # Why: the exact 4-bit path promises a row's bits whatever the row count; Qwen2's biases,
+    # added to the kernel's output, must keep that, and must be there at all (dropped, the
+    # logits move)
+    path = checkpoints["qwen2"][1]
+    model = prepack(quantize_int4(load_model(path)), batch_invariant=True)
+    x, T = torch.tensor([PROMPT]), len(PROMPT)
+    full = model(x, torch.arange(T))                                  # (1, T, V)
+    one = torch.cat([model(x[:, :t + 1], torch.arange(t + 1), keep=[t]) for t in range(T)], 1)
+    assert torch.equal(full, one)
+    for block in model.layers:
+        block.attention.wqkv.bias = None
+    assert (model(x, torch.arange(T)) - full).abs().max() > 1e-2
 
 
 # --------------------------------------------------------------------------- the CLI
@@ -345,7 +367,8 @@ def test_cli_prints_hf_greedy_tokens_for_a_transformers5_llama3_checkpoint(check
 
 @pytest.mark.parametrize("name, edit, argv, words", [
     ("llama3", lambda c: c["rope_parameters"].update(rope_type="yarn"), [], "rope_type 'yarn'"),
-    ("llama3", lambda c: c.update(model_type="qwen2"), [], "model_type 'qwen2'"),
+    ("llama3", lambda c: c.update(model_type="qwen3"), [], "model_type 'qwen3'"),
+    ("qwen2", lambda c: c.update(use_sliding_window=True), [], "use_sliding_window"),
     ("mistral, window 40", None, ["--max-new-tokens", "40"], "sliding window"),
 ])
 def test_cli_refuses_unsupported_variants_in_one_line(checkpoints, tmp_path, capsys, name, edit, argv, words):

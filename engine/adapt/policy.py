@@ -49,6 +49,10 @@ UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must ear
 # positions it has a guess, and the guess is the next token NGRAM_PRIOR of the time (its prior
 # alpha; chat 0.04 and 0.40, extraction 0.79 and 0.81)
 NGRAM_HITS, NGRAM_PRIOR = 0.36, 0.68
+# A smaller model of the target's family and tokenizer as the draft: its prior alpha, greedy
+# acceptance of Qwen2.5-Coder-0.5B's drafts by the 1.5B (4-bit path, K = 3): 0.89-0.90 on a code
+# prompt; a prior below the measure, as the bench's chat prompts accept less
+FAMILY_PRIOR = 0.8
 DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
     ("Int4Linear", "AVX512"): 0.41,     # the target in 4 bits: Zen 4 0.41, Zen 5 (Q8 head) 0.43 (docs/draft-price.json)
     ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
@@ -85,10 +89,20 @@ def interpolate(table: dict[int, float], k: int) -> float:
 def layer_share(model: Llama, layers: int) -> float:
     """The share of a one-row forward's weight reads spent in layers [0, layers) (the rest:
     the other layers and the LM head), from the model's shapes: one-row steps read weights."""
+    return layers * layer_reads(model.config) / reads(model)
+
+
+def layer_reads(c) -> int:
+    """Parameters of one layer's projections: wqkv, wo, w13, w2."""
+    return c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim \
+        + 3 * c.dim * c.hidden_dim
+
+
+def reads(model: Llama) -> int:
+    """The weights a one-row forward of `model` reads, in parameters: every layer's and the
+    head's (an embedding lookup reads one row)."""
     c = model.config
-    per_layer = c.dim * (c.n_heads + 2 * c.n_kv_heads) * c.head_dim + c.n_heads * c.head_dim * c.dim \
-        + 3 * c.dim * c.hidden_dim                                     # wqkv, wo, w13, w2
-    return layers * per_layer / (c.n_layers * per_layer + c.vocab_size * c.dim)
+    return c.n_layers * layer_reads(c) + c.vocab_size * c.dim
 
 
 # --------------------------------------------------------------------------- lookahead's arm
@@ -310,9 +324,11 @@ def costs(target: Llama, draft: Draft,
     shapes in 4 bits costs DRAFT_COST by CPU dispatch (1 if the target is 4-bit too), another
     one its share of parameters.
 
-    The prior: a self-draft or a foreign draft 1/2; a copy of the target in fewer bits 0.9
-    (4-bit SmolLM2-135M agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md); the
-    text's n-grams NGRAM_PRIOR, where they have a token to propose.
+    The prior: a self-draft 1/2; a copy of the target in fewer bits 0.9 (4-bit SmolLM2-135M
+    agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md); another model (a smaller
+    one of the target's family, sharing its tokenizer: the doors check that) FAMILY_PRIOR; the
+    text's n-grams NGRAM_PRIOR, where they have a token to propose. Unmeasured, another model's
+    draft token costs its share of the weights a one-row forward reads (its layers and head).
     """
     rows = row_cost(target, prices.table)
     if isinstance(draft, Ngram):           # no forward: a draft token costs its verify row alone
@@ -327,8 +343,9 @@ def costs(target: Llama, draft: Draft,
         same = kind == type(target.layers[0].feed_forward.w13).__name__
         c = 1.0 if same else DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6)
     elif c is None:
-        c = sum(p.numel() for p in draft.parameters()) / sum(p.numel() for p in target.parameters())
-    return c, lambda k: rows(k + 1), 0.9 if copy else 0.5
+        c = reads(draft) / reads(target)
+    return c, lambda k: rows(k + 1), 0.9 if copy else FAMILY_PRIOR
+
 
 
 def four_bit_copy(target: Llama, draft: Draft) -> bool:

@@ -23,8 +23,8 @@ from typing import Iterator
 import torch
 
 from engine.decoders import DECODERS
-from engine.doors.session import (build, check_compile, check_device, check_context, compile_early_exit, default_path, encode, path_name, prices,
-                                  say, wire)
+from engine.doors.session import (build, check_compile, check_device, check_context, compile_second, default_path, encode, path_name, prices,
+                                  say, second_checkpoint, wire)
 from engine.fast.aot import compile_step
 from engine.doors.receipt import receipt
 from engine.draft import Draft, EarlyExit, Ngram
@@ -42,6 +42,8 @@ class Engine:
     tokenizer: Tokenizer
     stats: Stats | None = None     # of the last call, filled as its tokens stream
     path: str = ""                 # the path it runs on, as the CLI's stats line names it
+    checkpoint: Path | None = None # where it was loaded from, and how (build's keywords):
+    built: dict | None = None      # a second model (Engine.second) loads the same way
 
     @classmethod
     def load(cls, checkpoint=None, *, dtype: torch.dtype | None = None, device: str = "cpu",
@@ -60,10 +62,21 @@ class Engine:
                             packed)
         if compile:
             check_compile(path.int4, path.batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
-        model = build(ckpt, dtype=DTYPES[path.dtype], device=device, int4=path.int4, packed=packed,
-                      batch_invariant=path.batch_invariant)
+        built = dict(dtype=DTYPES[path.dtype], device=device, int4=path.int4, packed=packed,
+                     batch_invariant=path.batch_invariant)
+        model = build(ckpt, **built)
         model = compile_step(model, say) if compile else model
-        return cls(model, Tokenizer.load(ckpt), path=path_name(path, model))
+        return cls(model, Tokenizer.load(ckpt), path=path_name(path, model), checkpoint=Path(ckpt), built=built)
+
+    def second(self, checkpoint, draft: bool = True) -> Llama:
+        """A draft (or, draft=False, an amateur) for tokens(second=...) from its checkpoint
+        directory, as the CLI's --draft PATH (--amateur PATH) loads it: on this engine's path, or
+        a ValueError where its tokenizer does not give this engine's ids (the target's family)."""
+        if self.built is None:
+            raise ValueError("second() loads beside an engine made by Engine.load")
+        if not Path(checkpoint).is_dir():
+            raise ValueError(f"checkpoint {checkpoint} is not a directory")
+        return second_checkpoint(self.checkpoint, checkpoint, lambda c: build(c, **self.built, draft=draft))
 
     def ids(self, prompt: str | list[int]) -> list[int]:
         return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
@@ -95,7 +108,7 @@ class Engine:
             raise ValueError(f"second= is a layer count (an early exit), EarlyExit(L), Ngram(n) or a Llama, got {second!r}")
         extra = () if second is None else (EarlyExit(second) if isinstance(second, int) else second,)
         if extra:
-            compile_early_exit(self.model, extra[0], say)   # its halves compiled too, where the step is
+            compile_second(self.model, extra[0], say)   # compiled too, where the target's step is
         steps, _, _ = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
                         rng=Random(seed), max_new_tokens=max_new_tokens,
                         price=lambda second: (second, prices(self.model, *second)))

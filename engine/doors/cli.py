@@ -28,7 +28,7 @@ from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt
 from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
-                                  prices, wire)
+                                  compile_second, prices, second_checkpoint, wire)
 from engine.draft import EarlyExit, Ngram, resident_bytes
 from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate, plain
@@ -167,7 +167,7 @@ def models(args, ckpt) -> tuple:
             try:
                 # the fp32 target decides every token: its draft needs no exact kernels unless asked
                 flags = {**vars(args), "int4": True, "batch_invariant": bool(args.batch_invariant)}
-                return (load(ckpt, argparse.Namespace(**flags)),)
+                return (load(ckpt, argparse.Namespace(**flags), draft=True),)
             except ValueError as e:       # shapes that do not pack in groups of 32
                 why = f"--draft int4: {e}"
         if spec == "auto":
@@ -176,7 +176,7 @@ def models(args, ckpt) -> tuple:
     if spec == "ngram" or spec.startswith("ngram:"):
         return (Ngram(int(spec.split(":", 1)[1])) if ":" in spec else Ngram(),)   # check_flags saw to n
     if not spec.startswith("layers:"):
-        return (load(spec, args),)
+        return (second_checkpoint(ckpt, spec, lambda c: load(c, args, draft=d.second.flag == "draft")),)
     return (EarlyExit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
 
 
@@ -206,9 +206,9 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     return second, p
 
 
-def load(ckpt, args):
+def load(ckpt, args, draft: bool = False):
     return build(ckpt, dtype=DTYPES[args.dtype], device=args.device, int4=args.int4,
-                 packed=not args.no_prepack, batch_invariant=args.batch_invariant)
+                 packed=not args.no_prepack, batch_invariant=args.batch_invariant, draft=draft)
 
 
 def check_flags(args) -> None:
@@ -320,8 +320,8 @@ def run(args) -> dict:
     model = load(ckpt, args)
     second, notes = models(args, ckpt), clamps    # a bad --draft or --amateur fails before measuring
     if args.compile:   # built once per machine and model (said as it goes), then loaded
-        early = [second[0].layers] if second and isinstance(second[0], EarlyExit) else []
-        model = compile_step(model, lambda line: warn(f"note: {line}"), splits=early)
+        model = compile_step(model, lambda line: warn(f"note: {line}"))
+        second = tuple(compile_second(model, m, lambda line: warn(f"note: {line}")) for m in second)
     d, given = DECODERS[args.decoder], knobs(args)
     # a policy is priced by this machine's costs (a note says where they went); --draft auto picks here
     steps, given, second = wire(args.decoder, model, second, prompt, given, adaptive=args.adaptive,

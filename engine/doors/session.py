@@ -9,15 +9,16 @@ decoder's steps, with its policy priced by this machine's costs.
 from __future__ import annotations
 
 import sys
+from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
 
 import torch
 
 from engine.adapt.cost import calibrated, draft_price, probed
-from engine.adapt.policy import Prices, adaptive as policy_for, four_bit_copy
+from engine.adapt.policy import Prices, adaptive as policy_for
 from engine.decoders import DECODERS
 from engine.draft import EarlyExit
-from engine.fast.aot import compile_step, compiled
+from engine.fast.aot import check as compilable, compile_step, compiled
 from engine.fast.invariant import row_attention
 from engine.fast.packed import exact_by_default, packs, prepack
 from engine.fast.prepared import int4_model
@@ -30,21 +31,22 @@ from engine.sampling import Random, Sampler
 
 
 def build(checkpoint, *, dtype: torch.dtype = torch.float32, device: str = "cpu", int4: bool = False,
-          packed: bool = True, batch_invariant: bool | None = None,
+          packed: bool = True, batch_invariant: bool | None = None, draft: bool = False,
           notify: Callable[[str], None] = lambda m: print(f"note: {m}", file=sys.stderr)) -> Llama:
     """The model as the CLI loads it: on `device` (cpu, cuda[:N]) in `dtype`; int4: --int4, the
     layer weights in 4-bit groups with bf16 activations (CPU; `dtype` is then bf16's); packed:
     the oneDNN matmuls (--no-prepack: False); batch_invariant: --batch-invariant (CPU or CUDA),
     every decoder's tokens plain's bit for bit (fp32, bf16, int4); None, as the CLI: on where
     it costs a one-row step nothing, bf16 and int4 on a CPU (packed.exact_by_default); notify:
-    where a kept 4-bit file was bad and is prepared anew (engine/fast/prepared.py)."""
+    where a kept 4-bit file was bad and is prepared anew (engine/fast/prepared.py); draft: a
+    speculative draft, whose 4-bit LM head may be 4-bit too (packed.quantize_int4's head_bits)."""
     device = check_device(device)
     if batch_invariant and not packed:   # as the CLI refuses --batch-invariant --no-prepack
         raise ValueError("batch_invariant sets the packed path's kernels: it has no effect with packed=False")
     if int4:   # quantized from the fp32 weights (Q4_1 grids come back exactly), kept on disk
         if torch.device(device).type != "cpu":
             raise ValueError(f"int4 quantizes a float32 CPU model, got one on {device}")
-        model = int4_model(checkpoint, notify)
+        model = int4_model(checkpoint, notify, head_bits=4 if draft else 8)
     else:
         model = load_model(checkpoint, device, dtype)
     if not packed:
@@ -120,7 +122,7 @@ def prices(model: Llama, second=None, table: dict | None = None, draft: float | 
     (int4 or bf16 without their exact kernels) a price moves the tokens too, so both must read
     the same."""
     table = calibrated(model, notify=notify, live=live) if table is None else table
-    if draft is None and four_bit_copy(model, second):
+    if draft is None and isinstance(second, Llama):   # a draft model, a 4-bit copy or another
         draft = draft_price(model, second, notify=notify, live=live)
     return Prices(table, draft)
 
@@ -141,12 +143,33 @@ def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: di
     return steps, knobs, second
 
 
-def compile_early_exit(model: Llama, second, notify: Callable[[str], None]) -> None:
-    """An early exit's two halves (a self-draft's or an amateur's layers) compiled beside the
-    whole stack, when the model's step is compiled and they are not yet."""
+def second_checkpoint(target: str | Path, checkpoint: str | Path, load: Callable[[str | Path], Llama]) -> Llama:
+    """A draft or an amateur from its checkpoint directory, loaded by `load` (the target's
+    path), or one ValueError where its tokenizer does not give the target's ids to the same text."""
+    why = Tokenizer.load(target).same_ids(Tokenizer.load(checkpoint))
+    if why is not None:
+        raise ValueError(f"{checkpoint}: its tokenizer is not the target's ({why}); a draft or an "
+                         "amateur must share the target's tokenizer")
+    return load(checkpoint)
+
+
+def compile_second(model: Llama, second, notify: Callable[[str], None]):
+    """The second model, compiled where the target's step is and it is not yet: an early
+    exit's two halves (a self-draft's or an amateur's layers) beside the target's whole stack,
+    or a draft or amateur Llama's own 4-bit step (another path's model stays eager: a draft's
+    rounding moves no token, the target's verdicts decide them all)."""
     stack = compiled(model)
-    if isinstance(second, EarlyExit) and stack is not None and (0, second.layers) not in stack.runners:
+    if stack is None:
+        return second
+    if isinstance(second, EarlyExit) and (0, second.layers) not in stack.runners:
         compile_step(model, notify, splits=[second.layers])
+    elif isinstance(second, Llama) and compiled(second) is None:
+        try:
+            compilable(second)
+        except ValueError:
+            return second
+        compile_step(second, notify)
+    return second
 
 
 def encode(tokenizer: Tokenizer, text: str, raw: bool = False) -> list[int]:

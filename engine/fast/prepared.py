@@ -27,7 +27,7 @@ from engine.llama import Llama
 from engine.load.config import load_config
 from engine.load.weights import load_model
 
-VERSION = "prepared 1"   # of the file's layout and of quantize_int4's rules: a change is a new file
+VERSION = "prepared 2"   # of the file's layout and of quantize_int4's rules: a change is a new file
 
 
 def key(checkpoint: Path) -> str:
@@ -38,21 +38,22 @@ def key(checkpoint: Path) -> str:
     return f"{VERSION}|{torch.__version__}|{torch.backends.cpu.get_cpu_capability()}|{Q8_HEAD}|{stamp}"
 
 
-def int4_model(checkpoint, notify: Callable[[str], None], folder: Path | None = None) -> Llama:
-    """The checkpoint as packed.quantize_int4 makes it (CPU), read from its kept file when
-    there is a good one, else quantized and kept for the next run."""
+def int4_model(checkpoint, notify: Callable[[str], None], folder: Path | None = None,
+               head_bits: int = 8) -> Llama:
+    """The checkpoint as packed.quantize_int4 makes it (CPU; head_bits as there), read from its
+    kept file when there is a good one, else quantized and kept for the next run."""
     checkpoint = Path(checkpoint)
     load_config(checkpoint)          # a missing or malformed checkpoint: its own error, first
-    k = key(checkpoint)
+    k = key(checkpoint) + ("|head 4 bits" if head_bits == 4 else "")
     folder = cache_home() / "engine" if folder is None else folder
     path = folder / f"int4-{hashlib.sha256(f'{checkpoint.resolve()}|{k}'.encode()).hexdigest()[:16]}.safetensors"
     if path.is_file():
         try:
-            return read(path, checkpoint, k)
+            return read(path, checkpoint, k, head_bits)
         except ValueError as e:
             notify(f"{path} {e}: preparing the 4-bit weights anew")
             path.unlink(missing_ok=True)
-    model = quantize_int4(load_model(checkpoint, "cpu", torch.float32))
+    model = quantize_int4(load_model(checkpoint, "cpu", torch.float32), head_bits)
     save(model, path, k)
     return model
 
@@ -74,7 +75,7 @@ def save(model: Llama, path: Path, k: str) -> None:
         pass
 
 
-def read(path: Path, checkpoint: Path, k: str) -> Llama:
+def read(path: Path, checkpoint: Path, k: str, head_bits: int = 8) -> Llama:
     """The model from a kept file, if it was written under key `k`; else ValueError."""
     try:
         with safe_open(str(path), "pt") as f:
@@ -84,7 +85,7 @@ def read(path: Path, checkpoint: Path, k: str) -> Llama:
             state = {name: f.get_tensor(name) for name in f.keys()}
     except (SafetensorError, OSError) as e:
         raise ValueError(f"does not read ({str(e).splitlines()[0][:120]})") from None
-    model = skeleton(checkpoint, "packed_head.packed" in state)
+    model = skeleton(checkpoint, None if "packed_head.packed" not in state else head_bits)
     try:
         model.load_state_dict(state, strict=True, assign=True)
     except RuntimeError as e:   # missing, unexpected or misshapen tensors
@@ -92,14 +93,16 @@ def read(path: Path, checkpoint: Path, k: str) -> Llama:
     return model.eval().requires_grad_(False)
 
 
-def skeleton(checkpoint: Path, q8_head: bool) -> Llama:
-    """quantize_int4's model with nothing in it: every tensor on the meta device, to be assigned."""
+def skeleton(checkpoint: Path, head_bits: int | None) -> Llama:
+    """quantize_int4's model with nothing in it: every tensor on the meta device, to be assigned;
+    head_bits: its packed head's (None: a bf16 head, left to prepack)."""
     config = load_config(checkpoint)
     with torch.device("meta"):
         model = Llama(config)
-        swap_projections(model, lambda w: Int4Linear.empty(*w.shape))
-        if q8_head:
-            model.packed_head = Q8Linear.empty(config.vocab_size, config.dim)
+        swap_projections(model, lambda w, b: Int4Linear.empty(*w.shape, bias=b is not None))
+        if head_bits is not None:
+            empty = Int4Linear.empty if head_bits == 4 else Q8Linear.empty
+            model.packed_head = empty(config.vocab_size, config.dim)
             if not config.tie_embeddings:
                 del model.output
     return model

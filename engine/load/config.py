@@ -1,6 +1,6 @@
 """config.json -> LlamaConfig: the Llama family's variants, read strictly.
 
-LlamaForCausalLM and MistralForCausalLM, with HF's defaults per class; RoPE scaling (linear,
+LlamaForCausalLM, MistralForCausalLM and Qwen2ForCausalLM, with HF's defaults per class; RoPE scaling (linear,
 dynamic, llama3) in either spelling, transformers 4's `rope_theta` + `rope_scaling` or 5's
 `rope_parameters`. Every field it reads is checked, and a setting HF's Llama would honour
 but this model would not (an unknown rope_type or RoPE key, a quantization_config, another
@@ -16,12 +16,15 @@ from engine.llama import LlamaConfig, RopeScaling
 
 
 def config_from_hf(d: dict) -> LlamaConfig:
-    """From the dict of an HF `config.json` (LlamaForCausalLM or MistralForCausalLM); a wrong
-    value is a ValueError naming its field. null counts as absent for the optional fields.
+    """From the dict of an HF `config.json` (LlamaForCausalLM, MistralForCausalLM or
+    Qwen2ForCausalLM); a wrong value is a ValueError naming its field. null counts as absent
+    for the optional fields.
 
     Mistral is Llama plus a sliding window (key j is visible to query i iff i - j < window),
     which below the window is causal attention: so a smaller window caps max_seq_len, a longer
     run is refused like any other, and sliding_window stays in the config to say why.
+    Qwen2 is Llama with biases on q, k and v (always: its config has no switch for them) and
+    a sliding window only where `use_sliding_window` asks, in its upper layers: that is refused.
     """
     if not isinstance(d, dict):
         raise ValueError(f"expected a JSON object, got {type(d).__name__}")
@@ -42,11 +45,12 @@ def config_from_hf(d: dict) -> LlamaConfig:
             raise ValueError(f"{k} must be true or false, got {v!r}")
         return v
 
-    # an absent field takes HF's default for the class: MistralConfig's differ from LlamaConfig's
-    mistral = d.get("model_type") == "mistral"
+    # an absent field takes HF's default for the class: MistralConfig's and Qwen2Config's
+    # differ from LlamaConfig's
+    mistral, qwen2 = d.get("model_type") == "mistral", d.get("model_type") == "qwen2"
     C, H = count("hidden_size"), count("num_attention_heads")
     head_dim = count("head_dim", max(C // H, 1))    # H x head_dim may differ from C (explicit)
-    Hkv = count("num_key_value_heads", 8 if mistral else H)
+    Hkv = count("num_key_value_heads", 8 if mistral else H)   # Qwen2Config's default is H too
     if head_dim % 2 or H % Hkv:   # RoPE rotates halves; each kv head serves H/Hkv query heads
         raise ValueError(f"need an even head_dim ({head_dim}) and num_key_value_heads ({Hkv}) "
                          f"dividing num_attention_heads ({H})")
@@ -55,7 +59,7 @@ def config_from_hf(d: dict) -> LlamaConfig:
                          "(a float checkpoint, or a GGUF through tools.convert)")
     if get("hidden_act", "silu") != "silu":   # the MLP is SwiGLU: another activation would be ignored
         raise ValueError(f"hidden_act {d['hidden_act']!r} is not supported (only 'silu')")
-    context = count("max_position_embeddings", 131072 if mistral else 2048)
+    context = count("max_position_embeddings", 131072 if mistral else 32768 if qwen2 else 2048)
     theta, scaling = rope_from_hf(d, head_dim, context)
     window = None
     if mistral:
@@ -65,6 +69,12 @@ def config_from_hf(d: dict) -> LlamaConfig:
         # subtle: an absent sliding_window is MistralConfig's 4096; only an explicit null is none
         window = 4096 if "sliding_window" not in d else count("sliding_window", context)
         window = window if window < context else None
+    if qwen2:   # HF's Qwen2 reads neither attention_bias nor mlp_bias: q, k, v always have biases
+        layer_types = get("layer_types", [])
+        if flag("use_sliding_window") or not isinstance(layer_types, list) or \
+                any(t != "full_attention" for t in layer_types):
+            raise ValueError("use_sliding_window (or a sliding_attention layer) is not supported: "
+                             "this model attends to every earlier key in every layer")
     eps = get("rms_norm_eps", 1e-6)
     if isinstance(eps, bool) or not isinstance(eps, (int, float)) or not 0 < eps < 1:
         raise ValueError(f"rms_norm_eps must be a number in (0, 1), got {eps!r}")
@@ -72,8 +82,8 @@ def config_from_hf(d: dict) -> LlamaConfig:
         dim=C, n_layers=count("num_hidden_layers"), n_heads=H, n_kv_heads=Hkv,
         hidden_dim=count("intermediate_size"), vocab_size=count("vocab_size"), norm_eps=float(eps),
         rope_theta=theta, rope_scaling=scaling, max_seq_len=window or context, head_dim=head_dim,
-        tie_embeddings=flag("tie_word_embeddings"), attention_bias=flag("attention_bias"),
-        mlp_bias=flag("mlp_bias"), sliding_window=window)
+        tie_embeddings=flag("tie_word_embeddings"), attention_bias=not qwen2 and flag("attention_bias"),
+        mlp_bias=not qwen2 and flag("mlp_bias"), qkv_bias=qwen2, sliding_window=window)
 
 
 # what each rope_type reads besides rope_type and rope_theta (HF's Llama, transformers 4 and 5)
@@ -138,8 +148,8 @@ def load_config(ckpt_dir: str | Path) -> LlamaConfig:
     if not path.is_file():
         raise FileNotFoundError(f"{path}: missing (not an HF-format checkpoint?)")
     d = read_json(path)
-    if d.get("model_type") not in ("llama", "mistral"):
-        raise ValueError(f"{path}: model_type {d.get('model_type')!r}, only 'llama' and 'mistral' load")
+    if d.get("model_type") not in ("llama", "mistral", "qwen2"):
+        raise ValueError(f"{path}: model_type {d.get('model_type')!r}, only 'llama', 'mistral' and 'qwen2' load")
     try:
         return config_from_hf(d)
     except ValueError as e:

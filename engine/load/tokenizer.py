@@ -15,6 +15,7 @@ them sandboxed, in a child process bounded in time and memory. No batching, no o
 """
 from __future__ import annotations
 
+import json
 import re
 import secrets
 from pathlib import Path
@@ -114,6 +115,24 @@ class Tokenizer:
     @classmethod
     def load(cls, ckpt_dir: str | Path) -> Tokenizer:
         return cls(ckpt_dir)
+
+    def same_ids(self, other: Tokenizer) -> str | None:
+        """None where `other` reads and writes text as these very ids (a draft or an amateur
+        beside its target: one id must mean one token to both); else what differs, in words."""
+        if (self.hf is None) != (other.hf is None):
+            return "one is a tokenizer.json, the other a sentencepiece model"
+        if self.sp is not None:
+            return None if self.sp.serialized_model_proto() == other.sp.serialized_model_proto() \
+                else "another sentencepiece model"
+        a, b = self.hf.get_vocab(with_added_tokens=True), other.hf.get_vocab(with_added_tokens=True)
+        if a != b:
+            diff = min((i for t, i in a.items() if b.get(t) != i), default=len(b))
+            return f"id {diff} is another token (vocabularies of {len(a)} and {len(b)})"
+        # the same ids may still split text apart: the merges, pre-tokenizer and normalizer
+        parts = lambda t: {k: v for k, v in json.loads(t.hf.to_str()).items() if k not in ("decoder", "truncation", "padding")}
+        mine, theirs = parts(self), parts(other)
+        part = next((k for k in mine.keys() | theirs.keys() if mine.get(k) != theirs.get(k)), None)
+        return None if part is None else f"the same vocabulary, another {part}"
 
     def encode(self, text: str, special: bool = True) -> list[int]:
         """Token ids of `text`; special: parse special-token strings in it as those tokens."""

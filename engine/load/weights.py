@@ -64,7 +64,8 @@ def parameter_count(c: LlamaConfig) -> int:
     """Parameters of a Llama with config c: embeddings, head unless tied, L blocks, final norm."""
     D, qkv = c.head_dim, (c.n_heads + 2 * c.n_kv_heads) * c.head_dim
     block = c.dim * qkv + c.n_heads * D * c.dim + 3 * c.dim * c.hidden_dim + 2 * c.dim \
-        + (qkv + c.dim) * c.attention_bias + (2 * c.hidden_dim + c.dim) * c.mlp_bias
+        + qkv * (c.attention_bias or c.qkv_bias) + c.dim * c.attention_bias \
+        + (2 * c.hidden_dim + c.dim) * c.mlp_bias
     return c.vocab_size * c.dim * (1 if c.tie_embeddings else 2) + c.n_layers * block + c.dim
 
 

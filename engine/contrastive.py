@@ -22,7 +22,7 @@ from torch import Tensor
 
 from engine.draft import EarlyExit, Ngram, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
-from engine.llama import Llama
+from engine.llama import Llama, LlamaConfig
 from engine.sampling import Random, Sampler, verify_rejection
 
 
@@ -58,6 +58,21 @@ def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, be
     return s.masked_fill(e < cutoff, float("-inf"))
 
 
+def check(config: LlamaConfig, amateur=None, alpha: float = 0.1, beta: float = 1.0, amateur_temperature: float = 1.0,
+          form: str = "logit", speculative: bool = False, num_draft: int | None = None, **_) -> int:
+    """decode()'s knobs (and an early exit's depth) for an expert of `config`, or a ValueError;
+    the front doors call it before any weight is loaded. Returns K (num_draft's default: 4)."""
+    if isinstance(amateur, Ngram):   # its "logits" are one token's; contrast needs a whole law
+        raise ValueError("the amateur is a model (a Llama or EarlyExit(L)), not the text's n-grams")
+    if isinstance(amateur, EarlyExit) and not 0 <= amateur.layers < config.n_layers:
+        raise ValueError(f"early-exit amateur needs 0 <= L < {config.n_layers}, got {amateur.layers}")
+    scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # alpha, beta, tau, form
+    num_draft = 4 if num_draft is None else num_draft
+    if speculative and (type(num_draft) is not int or num_draft < 1):
+        raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
+    return num_draft
+
+
 def decode(expert: Llama, amateur: Llama | EarlyExit, prompt: list[int], *, sampler: Sampler,
            rng: Random, max_new_tokens: int, alpha: float = 0.1, beta: float = 1.0,
            amateur_temperature: float = 1.0, form: str = "logit", speculative: bool = False,
@@ -82,14 +97,7 @@ def decode(expert: Llama, amateur: Llama | EarlyExit, prompt: list[int], *, samp
     default, as docs/quality.md chose. `trace` puts each position's expert argmax, pick and
     plausible-set size (and the drafts' verdicts) in `Step.trace` (engine/trace.py prints it).
     """
-    if isinstance(amateur, Ngram):   # its "logits" are one token's; contrast needs a whole law
-        raise ValueError("the amateur is a model (a Llama or EarlyExit(L)), not the text's n-grams")
-    if isinstance(amateur, EarlyExit) and not 0 <= amateur.layers < expert.config.n_layers:
-        raise ValueError(f"early-exit amateur needs 0 <= L < {expert.config.n_layers}, got {amateur.layers}")
-    scores(torch.zeros(1), torch.zeros(1), alpha, beta, form, amateur_temperature)  # check knobs
-    num_draft = 4 if num_draft is None else num_draft
-    if speculative and (type(num_draft) is not int or num_draft < 1):
-        raise ValueError(f"num_draft must be an integer >= 1, got {num_draft!r}")
+    num_draft = check(expert.config, amateur, alpha, beta, amateur_temperature, form, speculative, num_draft)
     K = min(num_draft, max_new_tokens) if speculative else 0       # no step drafts past the budget
     pair = pair_for(expert, amateur, len(prompt) + max_new_tokens + K + 1, K + 1)  # amateur = the draft
     seq, end = list(prompt), len(prompt) + max_new_tokens

@@ -38,12 +38,15 @@ class Second(NamedTuple):
 @dataclass(frozen=True, kw_only=True)
 class Decoder:
     decode: Callable
+    check: Callable = lambda config, second=None, **knobs: None   # its knobs for a model of config, before
+                                    # any weight loads: a ValueError, as decode() would raise at its first read
     knobs: tuple[Knob, ...] = ()    # decode()'s keyword knobs
     sizes: tuple[str, ...] = ()     # knobs that size a step: the CLI clamps them to the token budget
     second: Second | None = None
     rejection: Callable = lambda knobs: False   # verifies by rejection? (sampled: plain's law, not its tokens)
     one_row: Callable = lambda knobs: False     # only one-row forwards? (then no k-row rounding to disclaim)
     held_to: str = "plain's"                    # whose tokens (or law) its k-row forwards must keep
+    own_loop: dict | None = None                # held to its own one-row loop: the knobs that run it
     about: str = ""                             # its flags' heading in --help
 
     @property
@@ -59,14 +62,14 @@ NUM_DRAFT = Knob("num_draft", help="K draft tokens per step (--no-adaptive: defa
 DECODERS = {
     "plain": Decoder(decode=plain, one_row=lambda knobs: True),
     "lookahead": Decoder(
-        decode=lookahead.decode, sizes=("window", "guesses", "ngram"),
+        decode=lookahead.decode, check=lookahead.check, sizes=("window", "guesses", "ngram"),
         about="lookahead (giving --window or --guesses fixes both: the textbook loop)",
         knobs=(Knob("window", help="W, Jacobi window columns (textbook default 5)"),
                Knob("ngram", help="N, n-gram size (default 4)"),
                Knob("guesses", help="G, candidate n-grams verified per step (default: W)"),
                Knob("trim_layers", default=0, help="freeze window rows in the last m layers"))),
     "speculative": Decoder(
-        decode=speculative.decode, sizes=("num_draft",), about="speculative",
+        decode=speculative.decode, check=speculative.check, sizes=("num_draft",), about="speculative",
         knobs=(NUM_DRAFT, Knob("verify", str, "rejection", "rejection sampling, or coupled noise "
                                "(seed-identical to plain)", ("rejection", "coupled"))),
         second=Second("draft", "auto", "int4: the target's weights in 4 bits; layers:L: the target's first L "
@@ -76,7 +79,8 @@ DECODERS = {
                       "built; never under a SIMD-less kernel dispatch), else ngram"),
         rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(
-        decode=contrastive.decode, sizes=("num_draft",), about="contrastive", held_to="contrastive's",
+        decode=contrastive.decode, check=contrastive.check, sizes=("num_draft",), about="contrastive",
+        held_to="contrastive's", own_loop={"speculative": False},
         knobs=(Knob("alpha", float, 0.1, "keep tokens with p_E >= alpha * max p_E"),
                Knob("beta", float, 1.0, "amateur weight (logit form); docs/quality.md chose 1.0"),
                Knob("form", str, "logit", "score form", ("logit", "ratio")),
@@ -86,7 +90,7 @@ DECODERS = {
                       "of the expert (default %(default)s)"),
         rejection=lambda k: bool(k.get("speculative")), one_row=lambda k: not k.get("speculative")),
     "lookup": Decoder(
-        decode=lookup.decode, sizes=("lookup_tokens",), about="lookup (prompt lookup decoding)",
+        decode=lookup.decode, check=lookup.check, sizes=("lookup_tokens",), about="lookup (prompt lookup decoding)",
         knobs=(Knob("lookup_ngram", default=3, help="longest n-gram to match (tried from there down to 1)"),
                Knob("lookup_tokens", default=8, help="K, tokens copied after the match and verified"))),
 }

@@ -55,6 +55,9 @@ class Stats:
     hit rate          hits / verify steps: steps that kept an accepted draft / steps that
                       verified at least one (adaptive K = 0 steps verify none)
     tokens per step   histogram, "1x15 2x1" = 15 steps of one token and one of two
+    arms              an adaptive decoder's choices, steps each: lookahead's plain, copy or
+                      window (W2 G2: 2 columns, 2 guesses), lookup's plain or copy,
+                      speculative's K (K=0: a plain step); not shown for a textbook loop
     prefill, decode   seconds until the first step (the prompt's forward); tokens per second
                       after it (the first step's tokens excluded)
     """
@@ -69,6 +72,7 @@ class Stats:
     prefill_seconds: float = 0.0     # until the first step (the prompt's forward)
     decode_seconds: float = 0.0      # every step after it
     step_lengths: Counter = field(default_factory=Counter)  # tokens per step -> steps
+    arms: Counter = field(default_factory=Counter)  # an adaptive decoder's choice -> steps ("K=3", "copy")
 
     @property
     def tokens_per_forward(self) -> float:
@@ -92,6 +96,8 @@ class Stats:
 def plain(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random,
           max_new_tokens: int, trace: bool = False) -> Iterator[Step]:
     """One token per forward: x_t ~ p(. | x_<t) with the key ("token", t)."""
+    if not prompt:   # before the first read, as the other decoders say it
+        raise ValueError("plain needs a prompt of at least one token")
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens, scratch=0)  # checks the context
     device = model.tok_embeddings.weight.device
     tokens = torch.tensor([prompt], device=device)                          # (1, T)
@@ -132,6 +138,8 @@ def generate(steps: Iterable[Step], *, max_new_tokens: int, eos_ids: Iterable[in
         stats.hits += kept > 0
         stats.verify_steps += step.drafted > 0
         stats.step_lengths[len(take)] += 1
+        if step.arm:
+            stats.arms[step.arm] += 1
         stats.n_tokens += len(take)
         if i == 0:
             stats.first_step_tokens = len(take)

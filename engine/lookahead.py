@@ -36,7 +36,7 @@ from torch import Tensor
 
 from engine.generate import Step
 from engine.kvcache import KVCache
-from engine.llama import Llama
+from engine.llama import Llama, LlamaConfig
 from engine.lookup import find
 from engine.sampling import Random, Sampler, verify_match
 
@@ -173,6 +173,25 @@ def tree_forward(model: Llama, cache: KVCache, tokens: list[int], parent: list[i
 
 # --------------------------------------------------------------------------- decoder
 
+def check(config: LlamaConfig, second=None, window: int | None = None, ngram: int = 4,
+          guesses: int | None = None, trim_layers: int = 0, policy=None, **_) -> tuple[int, int, int]:
+    """decode()'s knobs for a model of `config`, or a ValueError: (W, N, G) as decode reads them.
+    The front doors call it before any weight is loaded."""
+    N, W = ngram, next((k for k in (window, guesses) if k is not None), 5)
+    G = W if guesses is None else guesses
+    if policy:                                    # room for the largest choice it can make
+        W, G = policy.most_window, policy.most_guesses
+    if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0 or W + G == 0:
+        raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0, not both 0 (that is plain "
+                         f"decoding); got {W!r}, {N!r}, {G!r}")
+    if step_rows(W, N, G) > config.max_seq_len:   # before allocating a cache for them
+        raise ValueError(f"window {W}, ngram {N}, guesses {G}: a step of up to {step_rows(W, N, G)} rows exceeds "
+                         f"the model's context ({config.max_seq_len}); make them smaller")
+    if type(trim_layers) is not int or not 0 <= trim_layers <= config.n_layers:
+        raise ValueError(f"trim_layers must be in [0, {config.n_layers}], got {trim_layers}")
+    return W, N, G
+
+
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
            window: int | None = None, ngram: int = 4, guesses: int | None = None, trim_layers: int = 0,
            policy=None, trace: bool = False) -> Iterator[Step]:
@@ -195,20 +214,10 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     up to its own largest W and G: the first W' columns and G' guesses (W' = G' = 0: a plain
     step), or a copy of the text as the one guess; columns not sent pause.
     """
-    N, W = ngram, next((k for k in (window, guesses) if k is not None), 5)
-    G = W if guesses is None else guesses
-    if policy:                                    # room for the largest choice it can make
-        W, G = policy.most_window, policy.most_guesses
+    W, N, G = check(model.config, window=window, ngram=ngram, guesses=guesses, trim_layers=trim_layers,
+                    policy=policy)
     if not prompt:
         raise ValueError("lookahead needs a prompt of at least one token")
-    if not all(type(k) is int for k in (W, N, G)) or W < 0 or N < 2 or G < 0 or W + G == 0:
-        raise ValueError(f"need integers window >= 0, ngram >= 2, guesses >= 0, not both 0 (that is plain "
-                         f"decoding); got {W!r}, {N!r}, {G!r}")
-    if step_rows(W, N, G) > model.config.max_seq_len:   # before allocating a cache for them
-        raise ValueError(f"window {W}, ngram {N}, guesses {G}: a step of up to {step_rows(W, N, G)} rows exceeds "
-                         f"the model's context ({model.config.max_seq_len}); make them smaller")
-    if not 0 <= trim_layers <= model.config.n_layers:  # here, before any token is yielded
-        raise ValueError(f"trim_layers must be in [0, {model.config.n_layers}], got {trim_layers}")
     # the committed tokens, plus one step's scratch rows: x, the rest of the window, the trie
     scratch = max((N - 1) * (W + G), policy.copy_most if policy else 0)
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + scratch, scratch=scratch)

@@ -47,6 +47,12 @@ def find(text: list[int], ngram: int, k: int) -> tuple[list[int], int, int]:
     return (text[at + best:at + best + k], best, at) if best else ([], 0, -1)
 
 
+def check(config, second=None, lookup_ngram: int = 3, lookup_tokens: int = 8, **_) -> None:
+    """decode()'s knobs, or a ValueError; the front doors call it before any weight is loaded."""
+    if not all(type(v) is int for v in (lookup_ngram, lookup_tokens)) or lookup_ngram < 1 or lookup_tokens < 0:
+        raise ValueError(f"need integers lookup_ngram >= 1, lookup_tokens >= 0; got {lookup_ngram!r}, {lookup_tokens!r}")
+
+
 def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, max_new_tokens: int,
            lookup_ngram: int = 3, lookup_tokens: int = 8, policy=None, trace: bool = False) -> Iterator[Step]:
     """Prompt lookup decoding (Saxena 2023), one yield per forward; greedy or sampled, exact.
@@ -60,10 +66,9 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
             y <- verify_match(logits[0], logits[1:], g)   # plain's draws; keeps g's agreeing prefix
             cache <- drop the rows of the rejected guesses;  text += y;  yield y
     """
+    check(model.config, lookup_ngram=lookup_ngram, lookup_tokens=lookup_tokens)
     if not prompt:
         raise ValueError("lookup needs a prompt of at least one token")
-    if not all(type(v) is int for v in (lookup_ngram, lookup_tokens)) or lookup_ngram < 1 or lookup_tokens < 0:
-        raise ValueError(f"need integers lookup_ngram >= 1, lookup_tokens >= 0; got {lookup_ngram!r}, {lookup_tokens!r}")
     K = min(lookup_tokens, max_new_tokens)                # a guess never runs past the budget
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + K, scratch=K)
     device = model.tok_embeddings.weight.device
@@ -85,4 +90,5 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
         info = {"kind": "lookup", "position": n, "ngram": m, "source": start, "guess": guess, "found": len(full),
                 "room": room, "policy": policy is not None, "first": n == len(prompt), "accepted": len(out) - 1,
                 "next": out[-1]} if trace else None
-        yield Step(out, drafted=len(guess), accepted=len(out) - 1, trace=info)
+        yield Step(out, drafted=len(guess), accepted=len(out) - 1, trace=info,
+                   arm=("copy" if guess else "plain") if policy else "")

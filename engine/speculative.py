@@ -22,8 +22,19 @@ import torch
 
 from engine.draft import Draft, EarlyExit, Ngram, draft_then_verify, pair_for, verdicts
 from engine.generate import Step
-from engine.llama import Llama
+from engine.llama import Llama, LlamaConfig
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
+
+
+def check(config: LlamaConfig, draft: Draft | None = None, num_draft: int = 4, verify: str = "rejection", **_) -> None:
+    """decode()'s knobs (and an early exit's depth) for a target of `config`, or a ValueError;
+    the front doors call it before any weight is loaded."""
+    if verify not in ("rejection", "coupled"):
+        raise ValueError(f"verify must be 'rejection' or 'coupled', got {verify!r}")
+    if type(num_draft) is not int or num_draft < 0:
+        raise ValueError(f"need an integer num_draft >= 0, got {num_draft!r}")
+    if isinstance(draft, EarlyExit) and not 1 <= draft.layers <= config.n_layers:
+        raise ValueError(f"self-draft layers must be in [1, {config.n_layers}], got {draft.layers}")
 
 
 def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
@@ -44,13 +55,7 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
     and a seed gives the same tokens on every run. `trace` puts each draft's p(x), q(x), u and
     verdict in `Step.trace` (engine/trace.py prints it).
     """
-    if verify not in ("rejection", "coupled"):
-        raise ValueError(f"verify must be 'rejection' or 'coupled', got {verify!r}")
-    if type(num_draft) is not int or num_draft < 0:
-        raise ValueError(f"need an integer num_draft >= 0, got {num_draft!r}")
-    n_layers = target.config.n_layers
-    if isinstance(draft, EarlyExit) and not 1 <= draft.layers <= n_layers:
-        raise ValueError(f"self-draft layers must be in [1, {n_layers}], got {draft.layers}")
+    check(target.config, draft, num_draft, verify)
     # a step never drafts past the budget, so K beyond it would only size the cache
     scratch = min(max(num_draft, policy.most if policy else 0), max_new_tokens) + 1
     forwards = not isinstance(draft, Ngram)                # a draft token costs a draft forward

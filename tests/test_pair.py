@@ -240,7 +240,7 @@ def test_fp32_prints_hf_transformers_greedy_tokens_on_the_pairs_ggufs(which):
     texts = ["Write a Python function that reverses a string.", "What is the capital of France?"]
     prompts = [tok.encode_chat([{"role": "user", "content": t}]) for t in texts]
     model = load_model(which)
-    ours = [run(plain, model, p, 24) for p in prompts]
+    ours = [run(plain, model, p, 24, eos=tok.eos_ids) for p in prompts]   # HF stops at EOS too
     del model
     hf = transformers.AutoModelForCausalLM.from_pretrained(which.parent, gguf_file=f"{which.name}.gguf",
                                                            dtype=torch.float32)

@@ -139,11 +139,27 @@ def test_a_4bit_copy_is_priced_as_a_close_draft_and_drafts_from_the_first_step_a
     assert c_verify(7) == pytest.approx(1.2)
     assert policy.costs(target, int4_copy(target), Prices(draft=0.3))[0] == 0.3   # measured wins
     assert policy.costs(int4_copy(target), int4_copy(target))[0] == 1.0   # a 4-bit target's own copy
-    assert policy.costs(target, tiny_llama(2, hidden=64))[2] == 0.5     # same shapes, not a copy
+    assert policy.costs(target, tiny_llama(2, hidden=64))[2] == policy.FAMILY_PRIOR   # another model
     draft = int4_copy(target)
     steps = speculative.decode(target, draft, [1, 2], sampler=GREEDY, rng=Random(0), max_new_tokens=8,
                                policy=policy.draft_length(target, draft, Prices({1: 1.0, 8: 1.2}, 0.5)))
     assert next(steps).drafted == 0 and next(steps).drafted >= 1   # the prompt's step is plain's
+
+
+def test_a_family_draft_is_priced_by_the_weights_it_reads_until_measured():
+    # Why: make pair's 0.5B beside the 1.5B reads about a third of the target's weights a step;
+    # priced by its parameters, embeddings included (a lookup reads one row), it would look dearer.
+    # A measured price wins; the prior is FAMILY_PRIOR, so it drafts from the first step
+    target = tiny_llama(1, vocab=256, n_layers=3, hidden=64, qkv_bias=True)
+    draft = tiny_llama(2, vocab=256, n_layers=1, hidden=64, qkv_bias=True)
+    c_draft, c_verify, prior = policy.costs(target, draft, Prices({1: 1.0, 4: 1.4, 5: 2.3}))
+    layer = policy.layer_reads(target.config)
+    assert c_draft == pytest.approx((layer + 256 * 32) / (3 * layer + 256 * 32)) and prior == policy.FAMILY_PRIOR
+    assert policy.costs(target, draft, Prices(draft=0.3))[0] == 0.3
+    # the 1.5B's measured block-of-4 rows (cost(4) 1.40, cost(5) 2.35) and the 0.5B's price: K = 3 at alpha 0.9
+    table = {1: 1.0, 2: 1.14, 3: 1.30, 4: 1.40, 5: 2.35, 8: 2.49}
+    assert policy.best_k(0.9, 0.3, lambda k: policy.interpolate(table, k + 1), 16) == 3
+    assert policy.draft_length(target, draft, Prices(table, 0.3)).k >= 1
 
 
 @pytest.mark.parametrize("c,want", [(0.2, "int4"), (0.9, "self")])

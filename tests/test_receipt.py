@@ -96,3 +96,26 @@ def test_the_api_receipt_is_the_clis(tiny_checkpoint, capsys):
     assert r == {"identical": True, "tokens": len(list(llm.tokens("the the the", max_new_tokens=16)))}
     cli = run(tiny_checkpoint, capsys, "--decoder", "lookahead")["receipt"]
     assert cli["identical"] and cli["tokens"] == r["tokens"]
+
+
+API_SECOND = {"contrastive": 1, "speculative": 1}
+API_KNOBS = {"speculative": {"adaptive": False}}
+
+
+@pytest.mark.parametrize("decoder", list(DECODERS))
+def test_the_api_and_the_cli_hold_every_decoder_to_the_same_reference(tiny_checkpoint, capsys, decoder):
+    # Why: the API's receipt replayed plain for every decoder while the CLI held contrastive to
+    # its own one-row steps, so the two doors could call one exact run identical and not identical.
+    # Both now take engine/doors/receipt.py's `reference`; seeded, contrastive parts from plain
+    from engine.api import Engine
+    llm = Engine.load(tiny_checkpoint, dtype=torch.float32, batch_invariant=True)
+    kw = dict(decoder=decoder, max_new_tokens=16, temperature=0.9, seed=3, **API_KNOBS.get(decoder, {}))
+    if decoder in API_SECOND:
+        kw["second"] = API_SECOND[decoder]
+    api = llm.receipt("the the the", **kw)
+    cli = run(tiny_checkpoint, capsys, "--decoder", decoder, *SECOND.get(decoder, []),
+              "--temperature", "0.9", "--seed", "3")["receipt"]
+    assert api == {k: v for k, v in cli.items() if k != "line"}
+    if decoder == "speculative":   # rejection sampling keeps plain's law, not its draws
+        return
+    assert api["identical"], api

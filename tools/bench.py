@@ -653,13 +653,23 @@ def run(args: argparse.Namespace) -> dict:
         torch.set_num_threads(args.threads)  # this process only, asked for on the command line
     result = {"machine": machine(str(args.device)), "device": str(args.device), "dtype": args.dtype,
               "threads": torch.get_num_threads()}
+    decoders = not (args.forward_cost or args.roof or args.memory or args.host)
+    if decoders:   # the outside references checked before the model loads: a bad one is the only line
+        from engine.load.tokenizer import Tokenizer
+        from tools.convert import default_gguf
+        from tools.llama_cpp import reference
+        llama_cpp = reference(args.llama_cpp, args.gguf or default_gguf(), args.max_new_tokens,
+                              Tokenizer.load(args.checkpoint).decode, torch.get_num_threads(),
+                              budget=args.llama_cpp_seconds) if args.llama_cpp else None
+        hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
+                          required=args.hf_python is not None, device=str(args.device))
     if args.random_weights:
-        progress("building a random SmolLM2-135M-shaped model")
         model = random_model(device=args.device, dtype=torch.float32 if args.int4 else dtype)
+        progress("built a random SmolLM2-135M-shaped model")
     else:
         from engine.load.weights import load_model
-        progress(f"loading {args.checkpoint}")
         model = load_model(args.checkpoint, args.device, torch.float32 if args.int4 else dtype)
+        progress(f"loaded {args.checkpoint}")
         result["checkpoint"] = str(args.checkpoint)
     if args.int4:
         model = quantize_int4(model)                # from fp32, so Q4_1 grids come back exactly
@@ -678,19 +688,10 @@ def run(args: argparse.Namespace) -> dict:
         configs = {n: CONFIGS[n] for n in ("plain", "lookahead auto", "lookahead W5 N4 G5", "lookup",
                                            "speculative L=20 adaptive")}
         result["host"] = host_split(engine, prompts["chat"][0], configs, args.max_new_tokens, args.repeats)
-    if not (args.forward_cost or args.roof or args.memory or args.host):
+    if decoders:
         prompts, eos = bench_prompts(args.checkpoint, args.quick)
         wanted = DEFAULT_CONFIGS if args.configs is None else CONFIGS if args.configs == ["all"] else args.configs
         configs = {n: c for n, c in CONFIGS.items() if n == "plain" or n in wanted}
-        if args.llama_cpp:                           # checked here, before the long run
-            from engine.load.tokenizer import Tokenizer
-            from tools.convert import default_gguf
-            from tools.llama_cpp import reference
-            llama_cpp = reference(args.llama_cpp, args.gguf or default_gguf(), args.max_new_tokens,
-                                  Tokenizer.load(args.checkpoint).decode, torch.get_num_threads(),
-                                  budget=args.llama_cpp_seconds)
-        hf = hf_reference(args.hf_python or sys.executable, args.checkpoint, args.max_new_tokens,
-                          required=args.hf_python is not None, device=str(args.device))
         if not (args.int4 or args.random_weights) and dtype == torch.float32 and args.device.type == "cpu":
             # --int4 as the CLI runs it: the exact path by default, where every decoder prints
             # int4 plain's tokens, so its speed counts; and without it (--no-batch-invariant)
@@ -711,7 +712,7 @@ def run(args: argparse.Namespace) -> dict:
             configs |= compiled_configs(args.checkpoint, "", eos, args.max_new_tokens)
         if hf:                                       # its child ends when our stdin to it closes
             configs[hf[0]] = hf[1]
-        if args.llama_cpp:
+        if llama_cpp:
             configs[llama_cpp[0]] = llama_cpp[1]
         result["decoders"] = compare(engine, prompts, configs, args.rounds, args.max_new_tokens, eos)
     if args.roof:

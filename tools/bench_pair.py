@@ -12,6 +12,7 @@ prompts ("chat"). Configs, on the default path compiled (`make run`'s), greedy:
     speculative                   the 0.5B drafting, the default policy (K per step, 0 = plain)
     speculative K=3               the textbook loop, K fixed
     lookahead                     the default policy (its copies; windows where rows are cheap)
+    lookup                        prompt lookup, the default policy
     llama.cpp plain               llama-completion on the 1.5B's GGUF (--llama-cpp DIR)
     llama.cpp speculative         llama-speculative, the 0.5B's GGUF drafting 3 (its default rule)
 
@@ -26,7 +27,6 @@ import gzip
 import json
 import re
 import shlex
-import statistics
 import sys
 from pathlib import Path
 
@@ -73,7 +73,7 @@ def llama_speculative(binary: Path, target: Path, draft: Path, max_new_tokens: i
     def run(prompt: list[int]) -> dict:
         code, out, err = bounded_run([str(binary), "-m", str(target), "-md", str(draft), "-p", detokenize(prompt),
                                       "-n", str(max_new_tokens), "--temp", "0", "--top-k", "1", "-s", "0",
-                                      "-t", str(threads), "--draft-max", str(n_draft), "--ignore-eos"], 600)
+                                      "-t", str(threads), "--spec-draft-n-max", str(n_draft), "--ignore-eos"], 600)
         found = DECODED.search(err + out)
         if code != 0 or found is None:
             raise ValueError(f"{binary}: exit {code}: {last_line(err)}")
@@ -140,6 +140,7 @@ def main(argv: list[str] | None = None) -> int:
             "speculative": lambda p: decode_once(model, p, ("speculative", draft, {"adaptive": True}), n, eos),
             "speculative K=3": lambda p: decode_once(model, p, ("speculative", draft, {"num_draft": 3}), n, eos),
             "lookahead": lambda p: decode_once(model, p, ("lookahead", None, {"adaptive": True}), n, eos),
+            "lookup": lambda p: decode_once(model, p, ("lookup", None, {"adaptive": True}), n, eos),
         }
         if args.llama_cpp is not None:
             ggufs = [args.target.parent / f"{m.name}.gguf" for m in PAIR]

@@ -180,6 +180,8 @@ def main(argv: list[str] | None = None) -> int:
     if not (1 <= args.steps <= 4096 and 1 <= args.repeats <= 100):
         p.error("--steps must be in [1, 4096] and --repeats in [1, 100]")
     try:
+        if not args.json:   # before any work or progress line: a bad --out is the only line
+            out_dir(args.out)
         from tools.bench import chat_prompt
         prompt, _ = chat_prompt(args.checkpoint)
         result = {"machine": machine("cpu"), "threads": torch.get_num_threads(), "paths": {}}
@@ -192,8 +194,6 @@ def main(argv: list[str] | None = None) -> int:
         for name, model in ([] if args.rows else models(args.checkpoint)):
             print(f"split: {name}", file=sys.stderr, flush=True)
             result["paths"][name] = split(model, prompt, args.steps, args.repeats)
-        if not args.json:
-            out_dir(args.out)
     except (OSError, ValueError) as e:   # OSError: a checkpoint file that cannot be read, too
         print(f"tools.split: error: {e}", file=sys.stderr)
         return 2

@@ -28,7 +28,7 @@ import torch
 
 from engine import llama
 from engine.fast import artifacts, invariant, packed
-from engine.fast.artifacts import cache_home, kernel_env, model_key, sweep
+from engine.fast.artifacts import cache_home, kernel_env, model_key, sweep, unwritable
 from engine.kvcache import KVCache
 from engine.llama import Llama
 
@@ -132,9 +132,10 @@ def forward_seconds(model: Llama, cache: KVCache, start: int, k: int) -> float:
 
 
 def calibrated(model: Llama, folder: Path | None = None, notify: Callable[[str], None] | None = None,
-               live: Callable[[str], None] | None = None) -> dict[int, float] | None:
+               live: Callable[[str], None] | None = None, measure_now: bool = True) -> dict[int, float] | None:
     """This machine's table for this model, measured on first use and read back after (`kept`);
-    None where it cannot be kept (the policy then prices by policy.SLOPE). A table that
+    None where it cannot be kept (the policy then prices by policy.SLOPE), or where it is not
+    kept yet and not `measure_now` (a run that answers first and measures after). A table that
     contradicts itself is measured again, up to TRIES times in all (`live` hears it at once);
     the last, if it still does, is kept as its running maximum over k."""
     def table() -> dict:
@@ -153,7 +154,7 @@ def calibrated(model: Llama, folder: Path | None = None, notify: Callable[[str],
         return {"forward_cost": {"engine": {str(k): {"ratio": r} for k, r in ratios.items()}},
                 "tries": attempt, "contradiction": bad}
     found = kept(table_key(model), table, folder, notify, check=table_from,
-                 live=live, what="k-row forward costs")
+                 live=live, what="k-row forward costs", measure_now=measure_now)
     return None if found is None else table_from(*found)
 
 
@@ -167,12 +168,13 @@ def kept_path(key: str, folder: Path | None = None) -> Path:
 
 
 def draft_price(target: Llama, draft: Llama, folder: Path | None = None,
-                notify: Callable[[str], None] | None = None, live: Callable[[str], None] | None = None) -> float | None:
+                notify: Callable[[str], None] | None = None, live: Callable[[str], None] | None = None,
+                measure_now: bool = True) -> float | None:
     """One draft token's cost in one-row target forwards on this machine, kept like the table
     (None where it cannot be kept: policy.DRAFT_COST then)."""
     found = kept(f"draft|{model_key(target)}|{model_key(draft)}",
                  lambda: {"draft_cost": measure_draft(target, draft)}, folder, notify, check=draft_cost,
-                 live=live, what="draft's price")
+                 live=live, what="draft's price", measure_now=measure_now)
     return None if found is None else draft_cost(*found)
 
 
@@ -219,7 +221,8 @@ def one_row_seconds(model: Llama, context: int) -> float:
 
 def kept(key: str, measure: Callable[[], dict], folder: Path | None,
          notify: Callable[[str], None] | None, check: Callable[[dict, Path], object] = lambda d, p: d,
-         live: Callable[[str], None] | None = None, what: str = "forward costs") -> tuple[dict, Path] | None:
+         live: Callable[[str], None] | None = None, what: str = "forward costs",
+         measure_now: bool = True) -> tuple[dict, Path] | None:
     """(measure()'s JSON object, where it is kept): measured once per key, then read back.
 
     Kept in ~/.cache/engine/ (or $XDG_CACHE_HOME), named by a hash of the key; the first
@@ -228,7 +231,9 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
     ValueError) is measured anew, once, with a notice. `notify` hears one line when this call measured,
     so a CLI can say where it went; `live` hears one before it measures, so a user is told at once.
     None where nothing can be kept (a read-only home): the caller then prices by fixed
-    constants, since a measurement taken anew by every run would let runs print apart.
+    constants, since a measurement taken anew by every run would let runs print apart. None
+    too where nothing is kept yet and not `measure_now`: that run prices by the constants and
+    measures after it has answered.
     """
     folder = folder or cache_home() / "engine"
     path = kept_path(key, folder)
@@ -241,6 +246,8 @@ def kept(key: str, measure: Callable[[], dict], folder: Path | None,
                 notify(f"{e}: measuring it anew")
             with contextlib.suppress(OSError):
                 path.unlink()
+    if not measure_now or unwritable(folder):   # (an unwritable cache: the front doors said so, once)
+        return None
     tmp = path.with_name(f".{path.name}.{os.getpid()}")
     try:
         folder.mkdir(parents=True, exist_ok=True)

@@ -11,8 +11,8 @@
 name, its knobs as keywords, `second=` a Llama or an early exit (EarlyExit(L), or just L), or
 for speculative the text's n-grams (Ngram(n)),
 `adaptive` as --adaptive, priced as the CLI prices. A str prompt is chat-templated as there; a
-list of ids is sent as it is. A bad argument is a ValueError before any token (a decoder's
-knob: at its first token's read), as the CLI's `error:` lines are.
+list of ids is sent as it is. A bad argument is a ValueError when the call is made, before
+any token, as the CLI's `error:` lines are.
 """
 from __future__ import annotations
 
@@ -23,12 +23,12 @@ from typing import Iterator
 import torch
 
 from engine.decoders import DECODERS
-from engine.doors.session import (build, check_compile, check_device, check_context, compile_second, default_path, encode, path_name, prices,
+from engine.doors.session import (build, cache_note, check_compile, check_device, check_context, compile_second, default_path, encode, path_name, prices,
                                   say, second_checkpoint, wire)
 from engine.fast.aot import compile_step
-from engine.doors.receipt import receipt
+from engine.doors.receipt import receipt, reference
 from engine.draft import Draft, EarlyExit, Ngram
-from engine.generate import Stats, generate, plain
+from engine.generate import Stats, generate
 from engine.llama import Llama
 from engine.load.tokenizer import StreamDecoder, Tokenizer
 from engine.load.config import load_config
@@ -48,13 +48,18 @@ class Engine:
     @classmethod
     def load(cls, checkpoint=None, *, dtype: torch.dtype | None = None, device: str = "cpu",
              int4: bool | None = None, packed: bool = True, batch_invariant: bool | None = None,
-             compile: bool = False) -> Engine:
+             compile: bool = False, threads: int | None = None) -> Engine:
         """A checkpoint directory (default: `make weights`' model) loaded as `build` does, on the
         CLI's path for these keywords (unset: the fastest exact path here, session.default_path);
-        compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them."""
+        compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them;
+        threads: the CLI's --threads (torch's threads, for this process)."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
         if not Path(ckpt).is_dir():
             raise ValueError(f"checkpoint {ckpt} is not a directory")
+        if threads is not None and (type(threads) is not int or not 1 <= threads <= 1024):
+            raise ValueError(f"threads must be an int in [1, 1024], got {threads!r}")
+        if threads is not None:
+            torch.set_num_threads(threads)
         names = {v: k for k, v in DTYPES.items()}
         if dtype is not None and dtype not in names:
             raise ValueError(f"dtype {dtype!r}: one of {', '.join(map(str, names))}")
@@ -62,6 +67,8 @@ class Engine:
                             packed)
         if compile:
             check_compile(path.int4, path.batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
+        if (note := cache_note()) is not None:
+            say(note)
         built = dict(dtype=DTYPES[path.dtype], device=device, int4=path.int4, packed=packed,
                      batch_invariant=path.batch_invariant)
         model = build(ckpt, **built)
@@ -106,7 +113,8 @@ class Engine:
                              else f"{decoder} takes no second model")
         if second is not None and (isinstance(second, bool) or not isinstance(second, (int, EarlyExit, Ngram, Llama))):
             raise ValueError(f"second= is a layer count (an early exit), EarlyExit(L), Ngram(n) or a Llama, got {second!r}")
-        extra = () if second is None else (EarlyExit(second) if isinstance(second, int) else second,)
+        extra = seconds(second)
+        d.check(self.model.config, *extra, **knobs)   # now, not at the first token's read
         if extra:
             compile_second(self.model, extra[0], say)   # compiled too, where the target's step is
         steps, _, _ = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
@@ -116,13 +124,16 @@ class Engine:
         return generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
 
     def receipt(self, prompt: str | list[int], **kw) -> dict:
-        """The CLI's --receipt: this call's tokens (`tokens(prompt, **kw)`) against plain's on
-        the same model, prompt, sampler and seed: {"identical": True, ...}, or the first new
-        token where they part and the top-2 logit gap there (engine/doors/receipt.py)."""
+        """The CLI's --receipt: this call's tokens (`tokens(prompt, **kw)`) against the reference
+        it is held to (plain's; contrastive's own one-row steps) on the same model, prompt,
+        sampler and seed: {"identical": True, ...}, or the first new token where they part and
+        the top-2 logit gap there (engine/doors/receipt.py's `reference`, as the CLI's)."""
         got = list(self.tokens(prompt, **kw))
         same = {k: kw[k] for k in ("temperature", "top_k", "top_p") if k in kw}
-        ref = plain(self.model, self.ids(prompt), sampler=Sampler(**same), rng=Random(kw.get("seed", 0)),
-                    max_new_tokens=len(got))
+        decoder, second = kw.get("decoder", "plain"), kw.get("second")
+        extra = seconds(second)
+        knobs = {k: v for k, v in kw.items() if k in DECODERS[decoder].names}
+        ref = reference(decoder, self.model, extra, self.ids(prompt), knobs, Sampler(**same), kw.get("seed", 0), len(got))
         return receipt(self.model, self.ids(prompt), got, ref, self.tokenizer.eos_ids)
 
     def stream(self, prompt: str | list[int], **kw) -> Iterator[str]:
@@ -132,6 +143,11 @@ class Engine:
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         return "".join(self.stream(prompt, **kw))
+
+
+def seconds(second) -> tuple:
+    """tokens()' second= as decode() takes it: () or (the model), a layer count an EarlyExit."""
+    return () if second is None else (EarlyExit(second) if isinstance(second, int) else second,)
 
 
 def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:

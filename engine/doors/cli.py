@@ -26,12 +26,12 @@ import torch
 from engine.adapt.cost import kept_path, load_table, table_key
 from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, Decoder, Second
-from engine.doors.receipt import line as receipt_line, receipt
+from engine.doors.receipt import line as receipt_line, receipt, reference
 from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
-                                  compile_second, prices, second_checkpoint, wire)
+                                  cache_note, compile_second, prices, prices_move_tokens, second_checkpoint, wire)
 from engine.draft import EarlyExit, Ngram, resident_bytes
 from engine.fast.aot import compile_step
-from engine.generate import Stats, cut, generate, plain
+from engine.generate import Stats, cut, generate
 from engine.kvcache import ATEN_CAPABILITY
 from engine.load.config import load_config
 from engine.load.tokenizer import StreamDecoder, Tokenizer
@@ -54,7 +54,7 @@ then whose tokens the run may leave: "near-exact path" (fp32: at a near-tie), "i
 forwards round a row apart), or "rejection sampling: plain's law, not plain's tokens"; no such note:
 it prints them bit for bit (an exact path, or one-row steps only)
   --json keys: decoder, text, path (the path it ran on: 4-bit, dtype, compiled) and path_why, tokens, n_tokens, n_forwards, draft_forwards, tokens_per_forward, drafted,
-  accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), seconds,
+  accepted, acceptance, hits, verify_steps, hit_rate, step_lengths ({tokens: steps}), arms ({arm: steps}), seconds,
   tokens_per_second, prefill_seconds, decode_tokens_per_second, exact_path, near_exact, held_to
   and law_of (whose tokens, or only whose law, it must print), load_peak_rss_mb,
   decode_peak_rss_mb, notes, priced_by (the k-row cost table an adaptive run read, else null), and
@@ -83,6 +83,10 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="seed of the position-keyed random source")
     p.add_argument("--checkpoint", help="HF-format checkpoint dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
+    p.add_argument("--threads", type=int, default=None,
+                   help="CPU threads for the matmuls (default: torch's, one per core). Runs sharing the cores "
+                        "should split them (two runs on 2 cores: --threads 1 each); tokens do not depend on it "
+                        "on the exact paths")
     p.add_argument("--dtype", choices=DTYPES,
                    help="weights and activations (default: the fastest exact path here, --int4's bfloat16 on a "
                         "CPU where the model packs in 4-bit groups, else float32 with --batch-invariant; the "
@@ -193,10 +197,17 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     # the answer; subtle: not to a pipe, whose reader is promised one error line for a request
     # refused after pricing (a self-draft deeper than the model is the decoder's to say)
     live = (lambda line: warn(f"note: {line}")) if to_terminal(sys.stderr) else None
-    p = prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live)
+    # a first run whose tokens no price can move answers first, priced by fixed slopes, and
+    # measures after its answer (run(): args.measure_after), for the runs after it
+    now = prices_move_tokens(args.decoder, knobs(args), args.temperature, on_exact_path(model))
+    p = prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live, now)
+    args.measure_after = not now and args.cost_table is None and (
+        p.table is None or (p.draft is None and args.draft_cost is None and second and isinstance(second[0], torch.nn.Module)))
     # which table the choices read: the run's --json and --trace say (a kept table is for good)
     args.priced_by = ("--cost-table" if args.cost_table is not None else
-                      str(kept_path(table_key(model))) if p.table is not None else "fixed slopes (nothing could be kept)")
+                      str(kept_path(table_key(model))) if p.table is not None else
+                      "fixed slopes (this machine's are measured after this run)" if args.measure_after else
+                      "fixed slopes (nothing could be kept)")
     if args.trace:   # with the run's notes, after its steps: a trace opens with its first step
         notes.append(f"prices: the k-row costs in {args.priced_by}")
     if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
@@ -215,6 +226,8 @@ def check_flags(args) -> None:
     """Every flag that can be judged without the checkpoint, before anything is read."""
     if args.max_new_tokens < 1:
         raise ValueError(f"--max-new-tokens must be >= 1, got {args.max_new_tokens}")
+    if args.threads is not None and not 1 <= args.threads <= 1024:
+        raise ValueError(f"--threads must be in [1, 1024], got {args.threads}")
     # subtle: Python keeps undecodable argv bytes as lone surrogates; the tokenizer would raise
     # on them deep inside, so name them here
     for flag, text in [("--prompt", args.prompt or "")] + [("--stop", t) for t in args.stop]:
@@ -294,6 +307,8 @@ def bound_knobs(args) -> list[str]:
 
 def run(args) -> dict:
     check_flags(args)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
     sampler, rng = Sampler(args.temperature, args.top_k, args.top_p), Random(args.seed)
     ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
     if not Path(ckpt).is_dir():
@@ -315,7 +330,12 @@ def run(args) -> dict:
     # subtle: the clamps are said with the run's other notes, after it: checks still to come (the
     # cost table, --draft, the decoder's own knobs) may refuse the run, and a note ahead of the
     # error line would read as if the run went on
-    clamps = bound_knobs(args)
+    clamps = bound_knobs(args) + [n for n in [cache_note()] if n]
+    # every knob of the decoder (an early exit's depth too), judged on the config alone: a bad
+    # one costs no load, no 4-bit preparing and no price measuring
+    spec = getattr(args, DECODERS[args.decoder].second.flag) if DECODERS[args.decoder].second else None
+    early = EarlyExit(int(spec.split(":", 1)[1])) if spec and spec.startswith("layers:") else None
+    DECODERS[args.decoder].check(config, early, **knobs(args))
     args.cost_table = load_table(args.cost_table) if args.cost_table is not None else None  # '' too
     model = load(ckpt, args)
     second, notes = models(args, ckpt), clamps    # a bad --draft or --amateur fails before measuring
@@ -348,7 +368,9 @@ def run(args) -> dict:
                 shown = len(sure)
     seconds = time.perf_counter() - t0
     if not args.json:
-        print(before_stop(streamed + stream.flush(), args.stop)[shown:])
+        print(before_stop(streamed + stream.flush(), args.stop)[shown:], flush=True)
+    if getattr(args, "measure_after", False):   # the answer is out: now this machine's prices, kept
+        prices(model, second[0] if second else None, None, args.draft_cost, notes.append)
     text = before_stop(tok.decode([x for x in out if x not in tok.eos_ids]), args.stop)
     # subtle: a k-row forward rounds a row apart from a one-row forward (SDPA's key blocks follow
     # the call's shape; in bf16, and on CUDA, the matmuls too), so a decoder that verifies k rows
@@ -360,10 +382,7 @@ def run(args) -> dict:
     held_to, law_of = promise(d, given, args.temperature)
     receipt_ = None
     if args.receipt:   # the reference: plain, or contrastive's own one-row steps, on this model
-        ref = dict(given, speculative=False) if args.decoder == "contrastive" else None
-        steps = (d.decode(model, *second, prompt, sampler=sampler, rng=Random(args.seed),
-                          max_new_tokens=len(out), **ref) if ref is not None else
-                 plain(model, prompt, sampler=sampler, rng=Random(args.seed), max_new_tokens=len(out)))
+        steps = reference(args.decoder, model, second, prompt, given, sampler, args.seed, len(out))
         receipt_ = receipt(model, prompt, out, steps, tok.eos_ids)
         receipt_["line"] = receipt_line(receipt_, lambda t: "(the end)" if t is None else repr(tok.decode([t])))
     return {"decoder": args.decoder, "text": text, "path": path_name(path, model), "path_why": path.why,
@@ -376,6 +395,7 @@ def run(args) -> dict:
             "draft_forwards": stats.draft_forwards, "drafted": stats.drafted, "accepted": stats.accepted,
             "acceptance": stats.acceptance, "hits": stats.hits, "verify_steps": stats.verify_steps,
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
+            "arms": dict(sorted(stats.arms.items(), key=lambda a: -a[1])),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
             "priced_by": getattr(args, "priced_by", None),
             **second_model(args, second), **({"receipt": receipt_} if receipt_ else {})}
@@ -493,8 +513,9 @@ def stats_line(r: dict) -> str:
     acc = "" if r["acceptance"] is None else (
         f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"
         + ("" if r["hit_rate"] is None else f" | hit rate {r['hit_rate']:.2f} ({r['hits']}/{r['verify_steps']})"))
+    arms = " | arms " + ", ".join(f"{a} x{n}" for a, n in r["arms"].items()) if r.get("arms") else ""
     return (f"[{r['decoder']}] {r['n_tokens']} tokens | {r['n_forwards']} target forwards{draft} | "
-            f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist} | "
+            f"{r['tokens_per_forward']:.2f} tok/forward{acc} | tokens per step {hist}{arms} | "
             f"prefill {r['prefill_seconds']:.2f} s | decode {r['decode_tokens_per_second']:.1f} tok/s"
             + (f" | path {r['path']}" + (f" (the default here: {r['path_why']})" if r.get("path_why") else "")
                if r.get("path") else "")

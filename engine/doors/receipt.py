@@ -11,8 +11,22 @@ import torch
 
 from typing import Iterable
 
-from engine.generate import Step, generate
+from engine.decoders import DECODERS
+from engine.generate import Step, generate, plain
 from engine.llama import Llama
+from engine.sampling import Random, Sampler
+
+
+def reference(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: dict, sampler: Sampler,
+              seed: int, max_new_tokens: int) -> Iterable[Step]:
+    """The steps a run of `decoder` is held to, on its model, prompt, sampler and seed, for both
+    front doors: its own one-row loop where the registry names one (contrastive without
+    --speculative), else plain's."""
+    own = DECODERS[decoder].own_loop
+    if own is not None:
+        return DECODERS[decoder].decode(model, *second, prompt, sampler=sampler, rng=Random(seed),
+                                        max_new_tokens=max_new_tokens, **{**knobs, **own})
+    return plain(model, prompt, sampler=sampler, rng=Random(seed), max_new_tokens=max_new_tokens)
 
 
 def receipt(model: Llama, prompt: list[int], got: list[int], reference: Iterable[Step], eos_ids=()) -> dict:

@@ -19,6 +19,7 @@ from engine.adapt.policy import Prices, adaptive as policy_for
 from engine.decoders import DECODERS
 from engine.draft import EarlyExit
 from engine.fast.aot import check as compilable, compile_step, compiled
+from engine.fast.artifacts import cache_home, unwritable
 from engine.fast.invariant import row_attention
 from engine.fast.packed import exact_by_default, packs, prepack
 from engine.fast.prepared import int4_model
@@ -114,17 +115,26 @@ def check_device(name, what: str = "device") -> torch.device:
 
 
 def prices(model: Llama, second=None, table: dict | None = None, draft: float | None = None,
-           notify: Callable[[str], None] | None = None, live: Callable[[str], None] | None = None) -> Prices:
+           notify: Callable[[str], None] | None = None, live: Callable[[str], None] | None = None,
+           measure_now: bool = True) -> Prices:
     """The policy's prices, for the CLI and the API alike: `table` or this machine's k-row costs
     for `model`, and `draft` or, for a 4-bit copy of it, that draft's measured price; each
     measured on first use and kept (engine/adapt/cost.py: `live` hears a measurement start, `notify`
     where it went). On an inexact path
     (int4 or bf16 without their exact kernels) a price moves the tokens too, so both must read
-    the same."""
-    table = calibrated(model, notify=notify, live=live) if table is None else table
+    the same. not measure_now: what is kept, and fixed constants for what is not (a run whose
+    tokens no price can move answers first; `prices` again after it keeps them for the next)."""
+    table = calibrated(model, notify=notify, live=live, measure_now=measure_now) if table is None else table
     if draft is None and isinstance(second, Llama):   # a draft model, a 4-bit copy or another
-        draft = draft_price(model, second, notify=notify, live=live)
+        draft = draft_price(model, second, notify=notify, live=live, measure_now=measure_now)
     return Prices(table, draft)
+
+
+def prices_move_tokens(decoder: str, knobs: dict, temperature: float, exact: bool) -> bool:
+    """Whether a price can change this run's tokens: where K is sampled by rejection (the seeded
+    tokens follow K, the law does not), or off an exact path (a k-row forward rounds apart).
+    Match-verified decoders print plain's tokens whatever their policy chooses."""
+    return not exact or (temperature > 0 and DECODERS[decoder].rejection(knobs))
 
 
 def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: dict, *, adaptive: bool,
@@ -190,6 +200,14 @@ def check_context(n: int, max_new_tokens: int, config: LlamaConfig, flag: str = 
         capped = ", capped at its sliding window" if config.sliding_window else ""
         raise ValueError(f"prompt ({n} tokens) + {flag} ({max_new_tokens}) exceeds the model's "
                          f"context ({config.max_seq_len}{capped})")
+
+
+def cache_note() -> str | None:
+    """One note where this machine's cache folder takes no file: the run goes on uncached."""
+    folder = cache_home() / "engine"
+    why = unwritable(folder)
+    return None if why is None else (f"cannot write the cache {folder} ({why}): this run goes on without it, "
+                                     "preparing and pricing anew, and keeps nothing (set XDG_CACHE_HOME to a writable folder)")
 
 
 def say(line: str) -> None:

@@ -70,6 +70,21 @@ def cpuinfo(field: str) -> str:
     return ""
 
 
+@functools.cache
+def unwritable(folder: Path) -> str | None:
+    """Why `folder` takes no new file (permission denied, a read-only file system, ...), or None:
+    probed once per process by making one, so every keeper (prices, prepared weights, compiled
+    steps) skips it alike and a front door says so in one note."""
+    try:
+        folder.mkdir(parents=True, exist_ok=True)
+        probe = folder / f".probe.{os.getpid()}"
+        probe.touch()
+        probe.unlink()
+        return None
+    except OSError as e:
+        return e.strerror or type(e).__name__
+
+
 def sweep(folder: Path) -> list[Path]:
     """Remove the temporary files (`.NAME.PID`, `.NAME.PID.pt2`) that runs killed midway left in
     `folder`: those whose PID is no live process. What a live run is writing stays."""

@@ -21,7 +21,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
-from engine.fast.artifacts import cache_home, sweep
+from engine.fast.artifacts import cache_home, sweep, unwritable
 from engine.fast.packed import Q8_HEAD, Int4Linear, Q8Linear, quantize_int4, swap_projections
 from engine.llama import Llama
 from engine.load.config import load_config
@@ -54,13 +54,17 @@ def int4_model(checkpoint, notify: Callable[[str], None], folder: Path | None = 
             notify(f"{path} {e}: preparing the 4-bit weights anew")
             path.unlink(missing_ok=True)
     model = quantize_int4(load_model(checkpoint, "cpu", torch.float32), head_bits)
-    save(model, path, k)
+    save(model, path, k, notify)
     return model
 
 
-def save(model: Llama, path: Path, k: str) -> None:
+def save(model: Llama, path: Path, k: str, notify: Callable[[str], None] = lambda m: None) -> None:
     """Write the model's tensors aside, then rename: a killed run leaves no half file (and the
-    next run's sweep takes its temporary), and two runs at once both leave a whole one."""
+    next run's sweep takes its temporary), and two runs at once both leave a whole one. Where
+    the cache cannot be written (permission, read-only, full), one notice: the run is right
+    without the file, the next one prepares the weights again."""
+    if unwritable(path.parent):   # the front doors said so, once
+        return
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         sweep(path.parent)
@@ -71,8 +75,10 @@ def save(model: Llama, path: Path, k: str) -> None:
             os.replace(tmp, path)
         finally:
             tmp.unlink(missing_ok=True)
-    except OSError:   # a full or read-only cache: this run is right without it, the next one slower
-        pass
+    except (OSError, SafetensorError) as e:   # subtle: safetensors reports EACCES as its own error
+        why = getattr(e, "strerror", None) or str(e).splitlines()[0][:120]
+        notify(f"cannot keep the prepared 4-bit weights in {path.parent} ({why}): this run goes on without "
+               "them, the next prepares them again (set XDG_CACHE_HOME to a writable folder)")
 
 
 def read(path: Path, checkpoint: Path, k: str, head_bits: int = 8) -> Llama:

@@ -121,6 +121,8 @@ def read_tensor(file: Path, name: str) -> torch.Tensor:
 def load_model(ckpt_dir: str | Path, device: str | torch.device = "cpu",
                dtype: torch.dtype = torch.float32) -> Llama:
     ckpt_dir = Path(ckpt_dir)
+    if dtype not in DTYPES.values():   # an int8 model would fail inside load_state_dict, in torch's words
+        raise ValueError(f"dtype {dtype}: one of {', '.join(map(str, DTYPES.values()))}")
     config = load_config(ckpt_dir)
     tensors = read_tensors(ckpt_dir)                           # name -> (file, shape)
     check_plausible(ckpt_dir, config, tensors, device, dtype)

@@ -9,7 +9,7 @@ both share one cache, and the target's check resumes from the draft's layer-L st
 computing only layers [L, n). Speculative decoding's draft may also be the text itself
 (`Ngram`): no model at all, the target alone on its cache.
 
-    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (api.build(ckpt, int4=True):
+    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (session.build(ckpt, int4=True):
                                                       # the target's weights in 4 bits), EarlyExit(L), Ngram(n)
     pair.propose(tokens, positions) -> (V,) | None    # the draft's logits after the last token
                                                       # (None: it has nothing to propose)

@@ -6,7 +6,7 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   target keeps drafts while its own inverse-CDF draw from that uniform agrees: the output is
   plain sampling's with the same seed, token for token, whatever the draft; it accepts less
   often than rejection sampling (`verify_match` says how much).
-The draft is another Llama with the target's vocab (such as `api.build(checkpoint, int4=True)`,
+The draft is another Llama with the target's vocab (such as `session.build(checkpoint, int4=True)`,
 the target's own weights in 4 bits), `EarlyExit(L)`: the target's layers [0, L) + its norm and
 head (an early exit), sharing the target's weights and KV cache, or `Ngram(n)`: the text's own
 n-grams, no model at all, proposing only as far as the text repeats (engine/draft.py). Whichever,

@@ -61,11 +61,16 @@ def test_one_row_kernel_rounds_differently_so_the_padding_is_needed():
     # On a CPU whose one-row kernel already rounds as the k-row one (AVX2 here), there is no
     # broken variant to catch, and the test says so instead of passing vacuously.
     g = torch.Generator().manual_seed(0)
-    lin = packed.PackedLinear(torch.randn(576, 1536, generator=g), min_rows=1)
+    w = torch.randn(576, 1536, generator=g)
+    lin = packed.PackedLinear(w, min_rows=1)
     x = torch.randn(1, 8, 1536, generator=g)
     full = lin(x)
-    if all(torch.equal(lin(x[:, t:t + 1]), full[:, t:t + 1]) for t in range(8)):
+    apart = [t for t in range(8) if not torch.equal(lin(x[:, t:t + 1]), full[:, t:t + 1])]
+    if not apart:
         pytest.skip(f"one-row and k-row kernels agree on this CPU ({torch.backends.cpu.get_cpu_capability()})")
+    # the rows the one-row kernel rounds apart are the ones the padding (min_rows=2) brings back
+    padded = packed.PackedLinear(w, min_rows=2)
+    assert all(torch.equal(padded(x[:, t:t + 1]), padded(x)[:, t:t + 1]) for t in apart)
 
 
 # --------------------------------------------------------------------------- int4

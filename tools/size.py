@@ -3,9 +3,9 @@
     python -m tools.size          # a Markdown table: each module's lines, code, prose, budget
 
 A line is code, prose (a docstring's or a comment's line, or one that only continues a string:
-help text, a message) or blank. The budgets are
-DESIGN.md's (none for a module it does not list); docs/size.md says why the library holds
-what it holds.
+help text, a message) or blank. The budgets (BUDGET below) are the aims the project set
+itself when it was small, kept to show how far each module grew past them (none for a module
+they do not list); docs/size.md says why the library holds what it holds.
 """
 from __future__ import annotations
 

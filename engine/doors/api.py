@@ -8,7 +8,8 @@
     print(llm.stats.n_tokens, llm.stats.n_forwards)  # the last call's engine.generate.Stats
 
 `Engine.load`'s keywords are the CLI's loading flags, `tokens`' its decoding ones: a decoder by
-name, its knobs as keywords, `second=` a Llama or an early exit (EarlyExit(L), or just L), or
+name, its knobs as keywords, `second=` a Llama (`llm.second(path)`: a draft or amateur of the
+same family, loaded as the CLI's --draft PATH), an early exit (EarlyExit(L), or just L), or
 for speculative the text's n-grams (Ngram(n)),
 `adaptive` as --adaptive, priced as the CLI prices. A str prompt is chat-templated as there; a
 list of ids is sent as it is. A bad argument is a ValueError when the call is made, before

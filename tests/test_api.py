@@ -93,11 +93,12 @@ def test_a_policy_reads_the_prices_the_cli_gives_it(ckpt, monkeypatch, capsys):
         return real(model, prices, knobs)
 
     monkeypatch.setitem(POLICIES, "lookup", dataclasses.replace(POLICIES["lookup"], build=spy))
-    assert main(["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "4",
-                 "--decoder", "lookup", "--json"]) == 0
+    for _ in range(2):   # a first run (greedy: no price moves its tokens) answers, then measures
+        assert main(["--checkpoint", str(ckpt), "--prompt", "the the", "--max-new-tokens", "4",
+                     "--decoder", "lookup", "--json"]) == 0
     capsys.readouterr()
     Engine.load(ckpt).generate("the the", decoder="lookup", max_new_tokens=4)
-    assert len(seen) == 2 and seen[0].table and seen[1] == seen[0]
+    assert len(seen) == 3 and seen[0].table is None and seen[1].table and seen[2] == seen[1]
 
 
 @pytest.mark.skipif(not (DEFAULT_CHECKPOINT / "config.json").is_file(), reason="run `make weights` first")

@@ -482,7 +482,7 @@ def test_a_home_that_cannot_keep_the_table_prices_by_constants_and_says_so(tmp_p
     monkeypatch.setattr("engine.adapt.cost.measure", lambda m: pytest.fail("measured where nothing can be kept"))
     assert main([*FP32, "--prompt", "hi", "--max-new-tokens", "2", "--decoder", "lookahead"]) == 0
     notes = [l for l in capsys.readouterr().err.splitlines() if l.startswith("note: ")]
-    assert len(notes) == 1 and "cannot keep" in notes[0] and "fixed constants" in notes[0]
+    assert len(notes) == 1 and "cannot write the cache" in notes[0] and "fixed constants" in notes[0]
 
 
 @real

@@ -1277,8 +1277,10 @@ def test_a_first_adaptive_run_at_a_terminal_says_it_measures_before_it_measures(
     import sys
     from conftest import at_a_terminal
     env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": os.getcwd()}
-    code, err = at_a_terminal([sys.executable, "-m", "engine.run", "--checkpoint", str(ckpt), "--decoder", "lookahead",
-                               "--prompt", "hello", "--max-new-tokens", "4"], env)
+    # sampled speculative verified by rejection: its seeded tokens follow K, so it prices before
+    # its first step (a greedy run answers first: tests/test_faults.py)
+    code, err = at_a_terminal([sys.executable, "-m", "engine.run", "--checkpoint", str(ckpt), "--decoder", "speculative",
+                               "--draft", "ngram", "--temperature", "0.8", "--prompt", "hello", "--max-new-tokens", "4"], env)
     lines = err.splitlines()
     start = next(i for i, line in enumerate(lines) if "measuring this machine's k-row forward costs once" in line)
     done = next(i for i, line in enumerate(lines) if "measured this machine's forward costs into" in line)

@@ -203,7 +203,7 @@ def test_a_second_model_must_share_the_targets_tokenizer(qwen2, tmp_path, capsys
 def test_a_tokenizer_that_splits_text_apart_is_refused_too(qwen2, tmp_path):
     # the same ids under another pre-tokenizer still turn one text into other ids
     other = convert(write_qwen2(tmp_path / "s.gguf", qwen2_tensors(), pre="smollm"), tmp_path / "smollm")
-    assert "pre_tokenizer" in Tokenizer.load(qwen2).same_ids(Tokenizer.load(other))
+    assert Tokenizer.load(qwen2).same_ids(Tokenizer.load(other)).startswith("the same vocabulary, another")
 
 
 def test_a_drafts_4_bit_head_moves_no_token():

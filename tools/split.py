@@ -180,10 +180,10 @@ def main(argv: list[str] | None = None) -> int:
     if not (1 <= args.steps <= 4096 and 1 <= args.repeats <= 100):
         p.error("--steps must be in [1, 4096] and --repeats in [1, 100]")
     try:
-        if not args.json:   # before any work or progress line: a bad --out is the only line
-            out_dir(args.out)
         from tools.bench import chat_prompt
         prompt, _ = chat_prompt(args.checkpoint)
+        if not args.json:   # before any work or progress line: a bad --out is the only line
+            out_dir(args.out)
         result = {"machine": machine("cpu"), "threads": torch.get_num_threads(), "paths": {}}
         if args.rows:
             result = {"machine": result["machine"], "rows": {}}

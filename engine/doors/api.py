@@ -23,9 +23,10 @@ from typing import Iterator
 
 import torch
 
+from engine.adapt.policy import adaptive as policy_for
 from engine.decoders import DECODERS
 from engine.doors.session import (build, cache_note, check_compile, check_device, check_context, compile_second, default_path, encode, path_name, prices,
-                                  say, second_checkpoint, wire)
+                                  on_exact_path, prices_move_tokens, say, second_checkpoint, wire)
 from engine.fast.aot import compile_step
 from engine.doors.receipt import receipt, reference
 from engine.draft import Draft, EarlyExit, Ngram
@@ -118,11 +119,15 @@ class Engine:
         d.check(self.model.config, *extra, **knobs)   # now, not at the first token's read
         if extra:
             compile_second(self.model, extra[0], say)   # compiled too, where the target's step is
+        # as the CLI: a first run whose tokens no price can move answers first, then measures
+        now = prices_move_tokens(decoder, knobs, temperature, on_exact_path(self.model))
         steps, _, _ = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
-                        rng=Random(seed), max_new_tokens=max_new_tokens,
-                        price=lambda second: (second, prices(self.model, *second)))
+                           rng=Random(seed), max_new_tokens=max_new_tokens,
+                           price=lambda second: (second, prices(self.model, *second, measure_now=now)))
         self.stats = Stats()
-        return generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
+        tokens = generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
+        return tokens if now or policy_for(decoder, knobs, adaptive) is None else \
+            then(tokens, lambda: prices(self.model, *extra))
 
     def receipt(self, prompt: str | list[int], **kw) -> dict:
         """The CLI's --receipt: this call's tokens (`tokens(prompt, **kw)`) against the reference
@@ -144,6 +149,12 @@ class Engine:
 
     def generate(self, prompt: str | list[int], **kw) -> str:
         return "".join(self.stream(prompt, **kw))
+
+
+def then(tokens: Iterator[int], after) -> Iterator[int]:
+    """`tokens`, then after() once they are all out (the prices a first run measures)."""
+    yield from tokens
+    after()
 
 
 def seconds(second) -> tuple:

@@ -26,6 +26,7 @@ from engine.fast.prepared import int4_model
 from engine.generate import Step
 from engine.kvcache import ATEN_CAPABILITY
 from engine.llama import Llama, LlamaConfig
+from engine.load.config import load_config
 from engine.load.tokenizer import Tokenizer
 from engine.load.weights import load_model
 from engine.sampling import Random, Sampler
@@ -156,6 +157,7 @@ def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: di
 def second_checkpoint(target: str | Path, checkpoint: str | Path, load: Callable[[str | Path], Llama]) -> Llama:
     """A draft or an amateur from its checkpoint directory, loaded by `load` (the target's
     path), or one ValueError where its tokenizer does not give the target's ids to the same text."""
+    load_config(checkpoint)   # a missing or malformed checkpoint: its own error, first
     why = Tokenizer.load(target).same_ids(Tokenizer.load(checkpoint))
     if why is not None:
         raise ValueError(f"{checkpoint}: its tokenizer is not the target's ({why}); a draft or an "
@@ -206,8 +208,9 @@ def cache_note() -> str | None:
     """One note where this machine's cache folder takes no file: the run goes on uncached."""
     folder = cache_home() / "engine"
     why = unwritable(folder)
-    return None if why is None else (f"cannot write the cache {folder} ({why}): this run goes on without it, "
-                                     "preparing and pricing anew, and keeps nothing (set XDG_CACHE_HOME to a writable folder)")
+    return None if why is None else (f"cannot write the cache {folder} ({why}): this run goes on without it "
+                                     "(its 4-bit weights prepared anew, priced by fixed constants) and keeps "
+                                     "nothing (set XDG_CACHE_HOME to a writable folder)")
 
 
 def say(line: str) -> None:

@@ -4,8 +4,31 @@ from __future__ import annotations
 
 import argparse
 import os
+import signal
+import sys
 import tempfile
+import threading
 from pathlib import Path
+from typing import Callable
+
+
+def one_line(work: Callable[[], object]) -> int:
+    """work() as a tool's main runs it: SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so
+    temporaries go; a ValueError or OSError (a disk that fills mid-write) is one `error:` line
+    and exit 2; Ctrl-C exits 130."""
+    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) \
+        if threading.current_thread() is threading.main_thread() else None
+    try:
+        work()
+    except (ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    finally:
+        if previous is not None:
+            signal.signal(signal.SIGTERM, previous)
+    return 0
 
 
 class Parser(argparse.ArgumentParser):

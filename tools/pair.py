@@ -20,17 +20,15 @@ from __future__ import annotations
 import hashlib
 import os
 import shutil
-import signal
 import subprocess
 import sys
-import threading
 import zipfile
 from pathlib import Path
 from typing import NamedTuple
 
 from tqdm import tqdm
 
-from tools.cli import Parser, first
+from tools.cli import Parser, first, one_line
 from tools.convert import convert, locked
 
 WEIGHTS = Path(__file__).resolve().parents[1] / "weights"
@@ -137,25 +135,18 @@ def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m tools.pair", description=first(__doc__))
     p.add_argument("--weights", type=Path, default=WEIGHTS, help="where the GGUFs and checkpoints go")
     args = p.parse_args(argv)
-    previous = signal.signal(signal.SIGTERM, lambda *_: sys.exit(143)) \
-        if threading.current_thread() is threading.main_thread() else None
-    try:
-        need = sum(4 * m.size for m in PAIR if not (args.weights / m.name / "config.json").is_file())
-        args.weights.mkdir(parents=True, exist_ok=True)
-        free = shutil.disk_usage(args.weights).free
-        if need > free:
-            raise ValueError(f"{args.weights}: {free / 1e9:.1f} GB free, the pair needs about {need / 1e9:.1f} GB more")
-        for m in PAIR:
-            print(install(m, args.weights))
-    except (ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except KeyboardInterrupt:
-        return 130
-    finally:
-        if previous is not None:
-            signal.signal(signal.SIGTERM, previous)
-    return 0
+    return one_line(lambda: install_pair(args.weights))
+
+
+def install_pair(weights: Path) -> None:
+    """Both models, after a check that the disk can take what is not there yet."""
+    need = sum(4 * m.size for m in PAIR if not (weights / m.name / "config.json").is_file())
+    weights.mkdir(parents=True, exist_ok=True)
+    free = shutil.disk_usage(weights).free
+    if need > free:
+        raise ValueError(f"{weights}: {free / 1e9:.1f} GB free, the pair needs about {need / 1e9:.1f} GB more")
+    for m in PAIR:
+        print(install(m, weights))
 
 
 if __name__ == "__main__":

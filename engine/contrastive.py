@@ -20,10 +20,11 @@ from typing import Iterator
 import torch
 from torch import Tensor
 
-from engine.draft import EarlyExit, Ngram, draft_then_verify, pair_for, verdicts
+from engine.draft import EarlyExit, Ngram, draft_then_verify, pair_for
 from engine.generate import Step
 from engine.llama import Llama, LlamaConfig
 from engine.sampling import Random, Sampler, verify_rejection
+from engine.trace import verdicts
 
 
 def scores(expert_logits: Tensor, amateur_logits: Tensor, alpha: float = 0.1, beta: float = 1.0,

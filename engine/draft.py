@@ -9,7 +9,7 @@ both share one cache, and the target's check resumes from the draft's layer-L st
 computing only layers [L, n). Speculative decoding's draft may also be the text itself
 (`Ngram`): no model at all, the target alone on its cache.
 
-    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (session.build(ckpt, int4=True):
+    pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (fast.paths.build(ckpt, int4=True):
                                                       # the target's weights in 4 bits), EarlyExit(L), Ngram(n)
     pair.propose(tokens, positions) -> (V,) | None    # the draft's logits after the last token
                                                       # (None: it has nothing to propose)
@@ -60,16 +60,6 @@ class Ngram:
     engine/adapt/policy.py, NGRAM_PRIOR)."""
     n: int = 3
     least: int = 2
-
-
-def resident_bytes(model: Llama) -> int:
-    """Bytes a model holds: its parameters and buffers, and oneDNN's packed copies (opaque
-    tensors, sized here as the dense weights they hold)."""
-    tensors = [*model.parameters(), *model.buffers()]
-    packed = [m for m in model.modules() if hasattr(m, "packed") and not isinstance(m.packed, torch.nn.Parameter)
-              and m.packed.layout == torch._mkldnn]
-    return sum(t.numel() * t.element_size() for t in tensors) \
-        + sum(m.out_features * m.in_features * m.packed.element_size() for m in packed)
 
 
 class SeparatePair:
@@ -235,20 +225,3 @@ def draft_then_verify(pair: Pair, seq: list[int], k: int, sampler: Sampler, rng:
     e = pair.verify(as_tensor(seq[start:] + drafts), torch.arange(start, n + k, device=device), k + 1)
     V = e.shape[-1]
     return drafts, torch.stack(q) if q else torch.zeros(0, V, dtype=torch.float64, device=device), a, e
-
-
-def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
-             logits: tuple[Tensor, Tensor] | None = None) -> dict:
-    """A draft-then-verify step, for its trace (engine/trace.py prints it): each draft's p(x), q(x) (the laws its verdict read), the
-    uniform u, and the verdict; then the target's own token (the correction, or the bonus if
-    all passed). With the models' `logits` (target (K+1, V), draft (K, V)), also their
-    probabilities of x at temperature 1: what a greedy trace shows, its laws being one-hot."""
-    k, m = len(drafts), len(out) - 1
-    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
-    at = lambda probs: probs[rows, ids].tolist()                                 # (K,)
-    px, qx = at(p), at(q)
-    pm, qm = [at(l[:k].float().softmax(-1)) for l in logits] if logits and k else (px, qx)
-    verdict = ["accept"] * m + ["reject"] * (m < k) + ["unverified"] * (k - m - 1)
-    return {"k": k, "next": out[-1], "bonus": m == k,
-            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v, "p_model": e, "q_model": f}
-                       for x, a, b, c, v, e, f in zip(drafts, px, qx, u, verdict, pm, qm)]}

@@ -25,7 +25,7 @@ else of it changes, so every decoder sees the same function, only faster:
   Llama.blocks            the method, or an instance attribute of the same signature set by
                           fast.aot.compile_step: the layer stack compiled (fast.aot.compiled(model))
 Whether a model so swapped prints its plain's tokens bit for bit is one function's to say:
-engine/doors/session.py's on_exact_path(model).
+engine/fast/paths.py's on_exact_path(model).
 
 But: no batching logic (decoders run B=1), no training, no dropout, no weight init.
 """
@@ -40,7 +40,8 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 from torch.nn.attention import SDPBackend, sdpa_kernel
 
-from engine.kvcache import KVCache, attention_dtype
+from engine.fast.machine import attention_dtype
+from engine.kvcache import KVCache
 
 
 @dataclass(frozen=True)

@@ -6,7 +6,7 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
   target keeps drafts while its own inverse-CDF draw from that uniform agrees: the output is
   plain sampling's with the same seed, token for token, whatever the draft; it accepts less
   often than rejection sampling (`verify_match` says how much).
-The draft is another Llama with the target's vocab (such as `session.build(checkpoint, int4=True)`,
+The draft is another Llama with the target's vocab (such as `fast.paths.build(checkpoint, int4=True)`,
 the target's own weights in 4 bits), `EarlyExit(L)`: the target's layers [0, L) + its norm and
 head (an early exit), sharing the target's weights and KV cache, or `Ngram(n)`: the text's own
 n-grams, no model at all, proposing only as far as the text repeats (engine/draft.py). Whichever,
@@ -20,10 +20,11 @@ from typing import Iterator
 
 import torch
 
-from engine.draft import Draft, EarlyExit, Ngram, draft_then_verify, pair_for, verdicts
+from engine.draft import Draft, EarlyExit, Ngram, draft_then_verify, pair_for
 from engine.generate import Step
 from engine.llama import Llama, LlamaConfig
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
+from engine.trace import verdicts
 
 
 def check(config: LlamaConfig, draft: Draft | None = None, num_draft: int = 4, verify: str = "rejection", **_) -> None:

@@ -19,6 +19,9 @@ import contextlib
 import sys
 from typing import Callable, Iterable, Iterator
 
+import torch
+from torch import Tensor
+
 from engine.lookahead import step_rows, tree_mask
 
 
@@ -35,6 +38,23 @@ def claimed(trace: dict) -> list[int]:
         raise ValueError(f"claimed(): no rule for a {kind!r} trace; give it one here, or speculative's "
                          "keys: 'drafts' (each with 'token' and 'verdict') and 'next'")
     return [d["token"] for d in trace["drafts"] if d["verdict"] == "accept"] + [trace["next"]]
+
+
+def verdicts(p: Tensor, q: Tensor, drafts: list[int], out: list[int], u: list[float],
+             logits: tuple[Tensor, Tensor] | None = None) -> dict:
+    """A draft-then-verify step, as its trace holds it (Tracer prints it): each draft's p(x), q(x) (the laws its verdict read), the
+    uniform u, and the verdict; then the target's own token (the correction, or the bonus if
+    all passed). With the models' `logits` (target (K+1, V), draft (K, V)), also their
+    probabilities of x at temperature 1: what a greedy trace shows, its laws being one-hot."""
+    k, m = len(drafts), len(out) - 1
+    rows, ids = torch.arange(k, device=p.device), torch.tensor(drafts, dtype=torch.long, device=p.device)
+    at = lambda probs: probs[rows, ids].tolist()                                 # (K,)
+    px, qx = at(p), at(q)
+    pm, qm = [at(l[:k].float().softmax(-1)) for l in logits] if logits and k else (px, qx)
+    verdict = ["accept"] * m + ["reject"] * (m < k) + ["unverified"] * (k - m - 1)
+    return {"k": k, "next": out[-1], "bonus": m == k,
+            "drafts": [{"token": x, "p": a, "q": b, "u": c, "verdict": v, "p_model": e, "q_model": f}
+                       for x, a, b, c, v, e, f in zip(drafts, px, qx, u, verdict, pm, qm)]}
 
 
 class Tracer:

@@ -238,7 +238,7 @@ def test_4bit_and_bfloat16_paths_are_exact_by_default_and_say_so_only_without_th
     # Why: the exact kernels cost a bf16 or 4-bit one-row step nothing measurable (plain's step
     # is SDPA either way), so they are the default there; --no-batch-invariant turns them off,
     # and then the stats line says the tokens may leave plain's
-    from engine.doors.session import build
+    from engine.fast.paths import build
     from engine.fast.invariant import row_attention
     model = build(DEFAULT_CHECKPOINT, dtype=torch.bfloat16, int4=bool(path))   # the CLI's default build
     assert model.layers[0].attention.attend is row_attention        # the default did turn them on
@@ -507,7 +507,7 @@ def test_the_default_path_is_named_and_every_decoder_prints_its_plains_tokens(ca
     # the stats line, where every decoder prints that path's plain tokens
     # (under a SIMD-less dispatch, make test's second pass on an AVX2 CPU, 4 bits would be a
     # scalar loop: there the default is fp32 with the batch-invariant kernels, exact too)
-    from engine.kvcache import ATEN_CAPABILITY
+    from engine.fast.machine import ATEN_CAPABILITY
     name = "fp32 batch-invariant" if ATEN_CAPABILITY == "DEFAULT" else "int4 bf16"
     argv = ["--prompt", PROMPT, "--max-new-tokens", "24"]
     plain = run_json(argv, capsys)

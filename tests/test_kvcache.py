@@ -4,7 +4,7 @@ import torch
 from hypothesis import given, strategies as st
 
 from conftest import tiny_llama
-from engine import kvcache
+from engine.fast import machine
 from engine.kvcache import KVCache
 
 
@@ -90,11 +90,11 @@ def test_bad_truncate_and_keep_are_errors():
 def test_bf16_attends_in_fp32_only_where_the_cpu_lacks_native_bf16(monkeypatch, native, attends):
     # SDPA in bf16 costs 3.7-6.7x fp32's on a CPU whose ATen kernels are not AVX-512's (docs/archive/speed-log.md),
     # 4.5-8.6x on an AVX-512 EPYC without AMX; BF16_ATTENTION: AVX512 dispatch and AMX
-    monkeypatch.setattr(kvcache, "BF16_ATTENTION", native)
-    assert kvcache.attention_dtype(torch.bfloat16, "cpu") == attends
-    assert kvcache.attention_dtype(torch.bfloat16, "cuda") == torch.bfloat16     # a GPU keeps its own
+    monkeypatch.setattr(machine, "BF16_ATTENTION", native)
+    assert machine.attention_dtype(torch.bfloat16, "cpu") == attends
+    assert machine.attention_dtype(torch.bfloat16, "cuda") == torch.bfloat16     # a GPU keeps its own
     for other in (torch.float32, torch.float64, torch.float16):
-        assert kvcache.attention_dtype(other, "cpu") == other
+        assert machine.attention_dtype(other, "cpu") == other
     model = tiny_llama(0).to(torch.bfloat16)
     cache = KVCache.for_model(model, 8)
     assert cache.k.dtype == cache.v.dtype == attends

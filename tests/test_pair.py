@@ -16,12 +16,11 @@ from safetensors.torch import load_file
 from conftest import run, tiny_llama
 from engine.decoders import DECODERS
 from engine.doors.cli import main as cli
-from engine.doors.session import second_checkpoint
 from engine.fast.packed import Int4Linear, quantize_int4
 from engine.fast.prepared import int4_model
 from engine.generate import generate, plain
 from engine.load.tokenizer import Tokenizer
-from engine.load.weights import load_model, rename
+from engine.load.weights import load_model, rename, second_checkpoint
 from engine.sampling import Random, Sampler
 from test_weights import C, H, HKV, L, MERGES, SPECIALS, TEMPLATE, TOKENS, hf_tensors
 from tools import convert as converter
@@ -184,7 +183,7 @@ def test_a_killed_runs_temporary_is_removed_and_the_next_run_finishes(parts):
 
 def test_a_second_model_must_share_the_targets_tokenizer(qwen2, tmp_path, capsys):
     # Why: a draft or amateur of another tokenizer proposes ids that mean other words; refused
-    # in one line before any weight loads, by the CLI and the API alike (session.second_checkpoint)
+    # in one line before any weight loads, by the CLI and the API alike (load.weights.second_checkpoint)
     other = shutil.copytree(qwen2, tmp_path / "other")
     spec = json.loads((other / "tokenizer.json").read_text())
     a, b = list(spec["model"]["vocab"])[-2:]

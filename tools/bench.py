@@ -29,8 +29,10 @@ import torch
 
 from engine.adapt.policy import POLICIES
 from engine.decoders import DECODERS
-from engine.doors.session import build, prices as machine_prices
-from engine.draft import EarlyExit, Ngram, resident_bytes
+from engine.doors.session import prices as machine_prices
+from engine.fast.paths import build
+from engine.draft import EarlyExit, Ngram
+from engine.fast.machine import resident_bytes
 from engine.fast.aot import compile_step
 from engine.fast.packed import exact_by_default, prepack, quantize_int4
 from engine.generate import Stats, Step, generate

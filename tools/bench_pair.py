@@ -32,8 +32,10 @@ from pathlib import Path
 
 import torch
 
-from engine.doors.session import build, compile_second, second_checkpoint
-from engine.draft import resident_bytes
+from engine.doors.session import compile_second
+from engine.fast.paths import build
+from engine.load.weights import second_checkpoint
+from engine.fast.machine import resident_bytes
 from engine.fast.aot import compile_step
 from engine.load.tokenizer import Tokenizer
 from tools.bench import PROMPTS, compare, decode_once, plot, progress

@@ -39,7 +39,7 @@ from safetensors.torch import save_file
 from tokenizers import AddedToken, Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors
 from tqdm import tqdm
 
-from engine.kvcache import check_memory
+from engine.fast.machine import check_memory
 from engine.llama import RopeScaling, frequencies
 from engine.load.config import config_from_hf
 from engine.load.weights import DEFAULT_CHECKPOINT, parameter_count, rename

@@ -156,10 +156,10 @@ def margin(model, prompts: dict[str, list[int]], n: int, rows: int = 16) -> dict
 
 
 def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
-    """The model as the CLI loads it (engine.doors.session.build): int4 from the fp32 weights (CPU only),
+    """The model as the CLI loads it (engine.fast.paths.build): int4 from the fp32 weights (CPU only),
     else bf16 or fp32."""
     from engine.fast.aot import compile_step
-    from engine.doors.session import build
+    from engine.fast.paths import build
     model = build(checkpoint, dtype=torch.bfloat16 if kind.startswith(("bf16", "int4")) else torch.float32,
                   device=device, int4=kind.startswith("int4"), batch_invariant=batch_invariant)
     splits = [min(20, model.config.n_layers - 1), 8]
@@ -168,7 +168,8 @@ def load(checkpoint: Path, kind: str, batch_invariant: bool, device: str = "cpu"
 
 def load_family(checkpoint: Path, draft: Path, kind: str, batch_invariant: bool, device: str = "cpu"):
     """--draft beside the target, loaded as the CLI's --draft PATH loads it on that path."""
-    from engine.doors.session import build, second_checkpoint
+    from engine.fast.paths import build
+    from engine.load.weights import second_checkpoint
     return second_checkpoint(checkpoint, draft, lambda c: build(
         c, dtype=torch.bfloat16 if kind.startswith(("bf16", "int4")) else torch.float32, device=device,
         int4=kind.startswith("int4"), batch_invariant=batch_invariant, draft=True))

@@ -36,7 +36,9 @@ from pathlib import Path
 import torch
 
 from engine.decoders import DECODERS
-from engine.doors.session import build, compile_second, second_checkpoint
+from engine.doors.session import compile_second
+from engine.fast.paths import build
+from engine.load.weights import second_checkpoint
 from engine.fast.aot import compile_step
 from engine.generate import generate
 from engine.load.tokenizer import Tokenizer

@@ -52,7 +52,7 @@ from typing import Callable, Iterator
 import torch
 
 from engine.generate import Step
-from engine.kvcache import available_bytes
+from engine.fast.machine import available_bytes
 from engine.load.template import cap_memory
 from engine.sampling import Random, Sampler, verify_rejection
 from tools.cli import Parser, first

@@ -139,7 +139,7 @@ def row_split(model, k: int, context: int = 64, repeats: int = 15) -> dict:
 
 def row_models(checkpoint: Path):
     """The 4-bit path as the CLI runs it, eager, then compiled (built here if it is not yet)."""
-    from engine.doors.session import build
+    from engine.fast.paths import build
     from engine.fast.aot import compile_step
     q = build(checkpoint, dtype=torch.bfloat16, int4=True)       # as the CLI loads it
     yield "int4 eager", q

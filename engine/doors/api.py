@@ -23,10 +23,13 @@ from typing import Iterator
 
 import torch
 
+from engine.adapt.cost import probed
 from engine.adapt.policy import adaptive as policy_for
 from engine.decoders import DECODERS
-from engine.doors.session import (build, cache_note, check_compile, check_device, check_context, compile_second, default_path, encode, path_name, prices,
-                                  on_exact_path, prices_move_tokens, say, second_checkpoint, wire)
+from engine.doors.session import (cache_note, check_context, compile_second, encode, prices, prices_move_tokens, say,
+                                  wire)
+from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
+from engine.load.weights import second_checkpoint
 from engine.fast.aot import compile_step
 from engine.doors.receipt import receipt, reference
 from engine.draft import Draft, EarlyExit, Ngram
@@ -52,7 +55,7 @@ class Engine:
              int4: bool | None = None, packed: bool = True, batch_invariant: bool | None = None,
              compile: bool = False, threads: int | None = None) -> Engine:
         """A checkpoint directory (default: `make weights`' model) loaded as `build` does, on the
-        CLI's path for these keywords (unset: the fastest exact path here, session.default_path);
+        CLI's path for these keywords (unset: the fastest exact path here, fast.paths.default_path);
         compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them;
         threads: the CLI's --threads (torch's threads, for this process)."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
@@ -120,7 +123,7 @@ class Engine:
         if extra:
             compile_second(self.model, extra[0], say)   # compiled too, where the target's step is
         # as the CLI: a first run whose tokens no price can move answers first, then measures
-        now = prices_move_tokens(decoder, knobs, temperature, on_exact_path(self.model))
+        now = prices_move_tokens(decoder, knobs, temperature, on_exact_path(self.model, probed))
         steps, _, _ = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
                            rng=Random(seed), max_new_tokens=max_new_tokens,
                            price=lambda second: (second, prices(self.model, *second, measure_now=now)))

@@ -23,16 +23,18 @@ from pathlib import Path
 
 import torch
 
-from engine.adapt.cost import kept_path, load_table, table_key
+from engine.adapt.cost import kept_path, load_table, probed, table_key
 from engine.adapt.policy import Prices, pick_draft
 from engine.decoders import DECODERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt, reference
-from engine.doors.session import (build, check_compile, check_device, check_context, default_path, encode, on_exact_path, path_name,
-                                  cache_note, compile_second, prices, prices_move_tokens, second_checkpoint, wire)
-from engine.draft import EarlyExit, Ngram, resident_bytes
+from engine.doors.session import cache_note, check_context, compile_second, encode, prices, prices_move_tokens, wire
+from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
+from engine.load.weights import second_checkpoint
+from engine.draft import EarlyExit, Ngram
+from engine.fast.machine import resident_bytes
 from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate
-from engine.kvcache import ATEN_CAPABILITY
+from engine.fast.machine import ATEN_CAPABILITY
 from engine.load.config import load_config
 from engine.load.tokenizer import StreamDecoder, Tokenizer
 from engine.load.weights import DTYPES, default_checkpoint
@@ -199,7 +201,7 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     live = (lambda line: warn(f"note: {line}")) if to_terminal(sys.stderr) else None
     # a first run whose tokens no price can move answers first, priced by fixed slopes, and
     # measures after its answer (run(): args.measure_after), for the runs after it
-    now = prices_move_tokens(args.decoder, knobs(args), args.temperature, on_exact_path(model))
+    now = prices_move_tokens(args.decoder, knobs(args), args.temperature, on_exact_path(model, probed))
     p = prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live, now)
     args.measure_after = not now and args.cost_table is None and (
         p.table is None or (p.draft is None and args.draft_cost is None and second and isinstance(second[0], torch.nn.Module)))
@@ -378,7 +380,7 @@ def run(args) -> dict:
     # often. --batch-invariant (bf16 and int4's default on a CPU) makes every kernel
     # row-invariant (engine/fast/invariant.py), probed once on this machine (cost.probed)
     # and compiled (--compile), no forward that decides tokens may have run eager after the prompt
-    exact = on_exact_path(model)
+    exact = on_exact_path(model, probed)
     held_to, law_of = promise(d, given, args.temperature)
     receipt_ = None
     if args.receipt:   # the reference: plain, or contrastive's own one-row steps, on this model

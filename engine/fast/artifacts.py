@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from engine.kvcache import attention_dtype
+from engine.fast.machine import attention_dtype
 from engine.llama import Llama
 
 # variables that choose kernels or threads: torch's dispatch, OpenMP's threads, and oneDNN's

@@ -20,7 +20,7 @@ import torch
 import torch.nn.functional as F
 from torch import Tensor
 
-from engine.kvcache import attention_dtype
+from engine.fast.machine import attention_dtype
 from engine.llama import Llama, attention_kernels
 
 MOST_ROWS = 32   # rows per batch-invariant matmul call: oneDNN's 2..32-row kernel (packed.PackedLinear),

@@ -21,7 +21,7 @@ import torch.nn.functional as F
 from torch import Tensor, nn
 
 from engine.fast.invariant import MOST_ROWS, row_attention
-from engine.kvcache import ATEN_CAPABILITY
+from engine.fast.machine import ATEN_CAPABILITY
 from engine.llama import Llama
 
 
@@ -236,7 +236,7 @@ def prepack(model: Llama, batch_invariant: bool = False) -> Llama:
     2..MOST_ROWS rows (oneDNN's kernel for those rounds a row alike), for fp32 and bf16; with
     torch's int4 kernel (row-invariant as measured here) every decoder prints that path's plain
     tokens. On CUDA, every dtype: each matmul a PaddedLinear of exactly MOST_ROWS rows.
-    Off unless asked; engine.doors.session.build (the CLI's loader) asks for it on bf16 and 4-bit CPU
+    Off unless asked; engine.fast.paths.build (the doors' loader) asks for it on bf16 and 4-bit CPU
     models (`exact_by_default`), and elsewhere only with --batch-invariant.
     """
     w = model.tok_embeddings.weight

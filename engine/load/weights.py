@@ -9,13 +9,15 @@ from __future__ import annotations
 
 import re
 from pathlib import Path
+from typing import Callable
 
 import torch
 from safetensors import SafetensorError, safe_open
 
-from engine.kvcache import check_memory
+from engine.fast.machine import check_memory
 from engine.llama import Llama, LlamaConfig
 from engine.load.config import load_config, read_json
+from engine.load.tokenizer import Tokenizer
 
 DEFAULT_CHECKPOINT = Path(__file__).resolve().parents[2] / "weights" / "smollm2-135m-instruct"   # the clone's
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16, "float64": torch.float64}
@@ -163,3 +165,14 @@ def default_checkpoint() -> Path:
         raise FileNotFoundError(f"{DEFAULT_CHECKPOINT} does not exist: run `make weights` "
                                 "(or python -m tools.convert default)")
     return DEFAULT_CHECKPOINT
+
+
+def second_checkpoint(target: str | Path, checkpoint: str | Path, load: Callable[[str | Path], Llama]) -> Llama:
+    """A draft or an amateur from its checkpoint directory, loaded by `load` (the target's
+    path), or one ValueError where its tokenizer does not give the target's ids to the same text."""
+    load_config(checkpoint)   # a missing or malformed checkpoint: its own error, first
+    why = Tokenizer.load(target).same_ids(Tokenizer.load(checkpoint))
+    if why is not None:
+        raise ValueError(f"{checkpoint}: its tokenizer is not the target's ({why}); a draft or an "
+                         "amateur must share the target's tokenizer")
+    return load(checkpoint)

@@ -1,10 +1,10 @@
-"""engine/doors/session.py: the path a run takes when its flags leave it open, and the name the
+"""engine/fast/paths.py: the path a run takes when its flags leave it open, and the name the
 stats line gives it. The default must be fast and exact: 4 bits on a CPU where the model packs
 and the kernels have SIMD, else fp32 with batch-invariant kernels; never a near-exact path."""
 import pytest
 
-from engine.doors import session
-from engine.doors.session import RunPath, default_path, packs_int4
+from engine.fast import paths
+from engine.fast.paths import RunPath, default_path, packs_int4
 from engine.llama import LlamaConfig
 
 PACKS = LlamaConfig(dim=576, n_layers=2, n_heads=9, n_kv_heads=3, hidden_dim=1536, vocab_size=64)   # SmolLM2's
@@ -12,7 +12,7 @@ ODD = LlamaConfig(dim=48, n_layers=2, n_heads=4, n_kv_heads=2, hidden_dim=40, vo
 
 
 def test_a_run_with_no_path_flags_takes_the_4_bit_path_where_the_model_packs(monkeypatch):
-    monkeypatch.setattr(session, "ATEN_CAPABILITY", "AVX2")
+    monkeypatch.setattr(paths, "ATEN_CAPABILITY", "AVX2")
     assert default_path(PACKS) == RunPath("bfloat16", True, None)
     assert default_path(PACKS).name == "int4 bf16"
 
@@ -22,7 +22,7 @@ def test_a_run_with_no_path_flags_takes_the_4_bit_path_where_the_model_packs(mon
 def test_where_4_bits_cannot_serve_the_default_is_fp32_made_exact(monkeypatch, config, device, dispatch, why):
     # Why: the default keeps the promise everywhere; fp32 is only near-exact without the
     # batch-invariant kernels, so the fallback turns them on, and says why it fell back
-    monkeypatch.setattr(session, "ATEN_CAPABILITY", dispatch)
+    monkeypatch.setattr(paths, "ATEN_CAPABILITY", dispatch)
     p = default_path(config, device)
     assert (p.dtype, p.int4, p.batch_invariant) == ("float32", False, True) and why in p.why
     assert p.name == "fp32 batch-invariant"

@@ -155,7 +155,8 @@ def test_bad_arguments_are_value_errors(ckpt, kw, words):
 @pytest.mark.parametrize("prompt, kw, words", [
     ([10**6], {}, "token ids"), ([-5], {}, "token ids"), ([], {}, "empty"), ("  ", {}, "empty"),
     ([5], {"max_new_tokens": 0}, "max_new_tokens"), ([5], {"max_new_tokens": 10**6}, "context"),
-    ([5], {"decoder": "speculative", "second": "layers:8"}, "layer count .*or a Llama"),
+    ([5], {"decoder": "speculative", "second": 2.5}, "layer count .*a Llama"),
+    ([5], {"decoder": "speculative", "second": "layers:8"}, "self-draft layers must be in"),   # the CLI's spec
     ([5], {"decoder": "beam"}, "decoder 'beam'"), ([5], {"temperature": -1}, "temperature"),
     ([5], {"decoder": "lookahead", "adaptive": "false"}, "adaptive"),   # a truthy string: not True
 ])

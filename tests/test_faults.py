@@ -111,7 +111,9 @@ def test_a_first_run_whose_tokens_no_price_moves_answers_before_it_measures(tmp_
     argv = ["--decoder", "lookahead", "--prompt", "Count from 1 to 10.", "--max-new-tokens", "8", "--json"]
     assert main(argv) == 0
     first = json.loads(capsys.readouterr().out)
-    assert order == ["answer", "measure"] and first["priced_by"].startswith("fixed slopes")
+    # (a table that contradicts itself, on a busy machine, is measured again: still after the answer)
+    assert order[0] == "answer" and order[1:] and set(order[1:]) == {"measure"}
+    assert first["priced_by"].startswith("fixed slopes")
     assert list((tmp_path / "engine").glob("cost-*.json"))           # kept for the next run
     order.clear()
     assert main(argv) == 0

@@ -20,7 +20,7 @@ from engine.fast.packed import Int4Linear, quantize_int4
 from engine.fast.prepared import int4_model
 from engine.generate import generate, plain
 from engine.load.tokenizer import Tokenizer
-from engine.load.weights import load_model, rename, second_checkpoint
+from engine.load.weights import family, load_model, rename, second_checkpoint
 from engine.sampling import Random, Sampler
 from test_weights import C, H, HKV, L, MERGES, SPECIALS, TEMPLATE, TOKENS, hf_tensors
 from tools import convert as converter
@@ -247,3 +247,65 @@ def test_fp32_prints_hf_transformers_greedy_tokens_on_the_pairs_ggufs(which):
         theirs = [hf.generate(torch.tensor([p]), max_new_tokens=24, do_sample=False)[0, len(p):].tolist()
                   for p in prompts]
     assert ours == theirs
+
+
+# --------------------------------------------------------------------------- --draft auto and the family
+
+def family_folder(qwen2, tmp_path):
+    """A folder as `make pair` leaves weights/: the target, a smaller model of its family (its
+    first layer alone), and the same smaller model under another tokenizer."""
+    target = shutil.copytree(qwen2, tmp_path / "target")
+    small = shutil.copytree(qwen2, tmp_path / "small")
+    tensors = load_file(small / "model.safetensors")
+    from safetensors.torch import save_file
+    save_file({k: v for k, v in tensors.items() if ".layers.1." not in k}, small / "model.safetensors")
+    config = json.loads((small / "config.json").read_text())
+    (small / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 1}))
+    other = shutil.copytree(small, tmp_path / "other")
+    spec = json.loads((other / "tokenizer.json").read_text())
+    a, b = list(spec["model"]["vocab"])[-2:]
+    spec["model"]["vocab"][a], spec["model"]["vocab"][b] = spec["model"]["vocab"][b], spec["model"]["vocab"][a]
+    (other / "tokenizer.json").write_text(json.dumps(spec))
+    return target, small, other
+
+
+def test_a_targets_family_is_the_smaller_models_beside_it_that_share_its_tokenizer(qwen2, tmp_path):
+    # Why: --draft auto weighs the real draft only if it finds it: beside the target (weights/),
+    # smaller, and speaking its ids; a model of another tokenizer or a bigger one is no draft
+    target, small, other = family_folder(qwen2, tmp_path)
+    assert family(target) == [small]
+    assert family(small) == []                           # the target is bigger: no draft of the small one
+    (tmp_path / "broken").mkdir()                        # a folder that is no checkpoint is passed over
+    (tmp_path / "broken" / "config.json").write_text("{")
+    assert family(target) == [small]
+
+
+@pytest.mark.parametrize("favoured", ["family", "ngram"])
+def test_draft_auto_takes_the_draft_that_pays_most_and_keeps_plains_tokens(qwen2, tmp_path, favoured, monkeypatch):
+    # Why: auto's candidates include the family's draft, and the pick is the one `pays` ranks
+    # first, through the API and the CLI alike (session.second_for and session.pick); whichever
+    # it takes, greedy speculative prints plain's tokens. Broken variant run: pick() taking the
+    # first candidate fails the "ngram" case, a family() that finds nothing the "family" one.
+    from engine.doors import session
+    from engine.doors.api import Engine
+    target, small, _ = family_folder(qwen2, tmp_path)
+    score = {"family": lambda m, d, p: 2.0 if isinstance(d, torch.nn.Module) and d.config.n_layers == 1 else 1.0,
+             "ngram": lambda m, d, p: 2.0 if type(d).__name__ == "Ngram" else 1.0}[favoured]
+    monkeypatch.setattr(session, "pays", score)
+    llm = Engine.load(target, dtype=torch.float32, batch_invariant=True)
+    prompt = [3, 5, 7, 3, 5]
+    want = list(llm.tokens(prompt, max_new_tokens=8))
+    assert list(llm.tokens(prompt, decoder="speculative", second="auto", max_new_tokens=8)) == want
+    picked = llm.picked[0]
+    assert (type(picked).__name__, getattr(getattr(picked, "config", None), "n_layers", None)) == \
+        {"family": ("Llama", 1), "ngram": ("Ngram", None)}[favoured]
+
+
+def test_the_clis_draft_auto_names_the_family_draft_it_took(qwen2, tmp_path, capsys):
+    # --no-adaptive prices nothing: auto takes its first candidate, the family's smallest draft
+    target, small, _ = family_folder(qwen2, tmp_path)
+    argv = ["--checkpoint", str(target), "--dtype", "float32", "--raw", "--prompt", "the", "--max-new-tokens", "4",
+            "--json", "--decoder", "speculative", "--draft", "auto"]
+    assert cli(argv + ["--no-adaptive"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["draft"] == str(small) and out["draft_mb"] > 0

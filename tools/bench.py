@@ -17,6 +17,7 @@ from __future__ import annotations
 import argparse
 import io
 import json
+import math
 import os
 import shlex
 import statistics
@@ -339,9 +340,24 @@ def compare(model: Llama, prompts: dict[str, list[list[int]]], configs: dict, re
                 sum(m["tokens"] == b["tokens"] for m, b in zip(mine, base)) / len(mine),
                 "acceptance_by_position": by_position([m for m in mine]),
                 "arms": arm_shares(mine),
+                "decode_speedup_geomean": geomean_decode(runs, name, base_name, keys),
             }
         out[name] = rows
     return out
+
+
+def geomean_decode(runs: dict, name: str, base: str, keys: list[tuple]) -> float | None:
+    """The geometric mean over a category's prompts of each prompt's decode-rate ratio to its
+    baseline (the median over rounds of the ratio in the same round): every prompt weighs alike,
+    however fast it is. None where a run has no decode to time."""
+    by_prompt = {}
+    for key in keys:
+        m, b = runs[(name,) + key], runs[(base,) + key]
+        if not (m.get("decode_tok_s") and b.get("decode_tok_s")):
+            return None
+        by_prompt.setdefault(key[:2], []).append(m["decode_tok_s"] / b["decode_tok_s"])
+    logs = [math.log(statistics.median(r)) for r in by_prompt.values()]
+    return math.exp(sum(logs) / len(logs)) if logs else None
 
 
 def arm_shares(runs: list[dict]) -> dict[str, float]:

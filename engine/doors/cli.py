@@ -24,10 +24,11 @@ from pathlib import Path
 import torch
 
 from engine.adapt.cost import kept_path, load_table, probed, table_key
-from engine.adapt.policy import Prices, pick_draft
+from engine.adapt.policy import Prices
 from engine.decoders import DECODERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt, reference
-from engine.doors.session import cache_note, check_context, compile_second, encode, prices, prices_move_tokens, wire
+from engine.doors.session import (Auto, cache_note, check_context, compile_second, encode, pick, prices, prices_move_tokens,
+                                  second_for, wire)
 from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
 from engine.load.weights import second_checkpoint
 from engine.draft import EarlyExit, Ngram
@@ -156,34 +157,26 @@ def add_knobs(p: argparse.ArgumentParser) -> None:
 
 
 def models(args, ckpt) -> tuple:
-    """The second model a decoder needs: a checkpoint dir, `layers:L` of the target itself,
-    `ngram[:n]` (--draft: the text's own n-grams), or (--draft) `int4`, the target's checkpoint
-    loaded again in 4 bits, or `auto`: that 4-bit draft where it can be built, else the n-grams."""
+    """The second model a decoder needs, from its flag (session.second_for, as the API reads its
+    second=): a checkpoint dir, `layers:L`, `ngram[:n]`, `int4` (the target's checkpoint again
+    in 4 bits) or `auto`, every draft of those that can be built here, weighed once priced."""
     d = DECODERS[args.decoder]
     if d.second is None:
         return ()
     spec = getattr(args, d.second.flag)
-    if d.second.flag == "draft" and spec in ("int4", "auto"):   # int4 where it can be built, else auto: n-grams
-        if args.int4 or args.device != "cpu":
-            why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself"
-            why += " (pass --dtype float32 for an fp32 target)" if args.int4 else ""
-        elif spec == "auto" and ATEN_CAPABILITY == "DEFAULT":
-            why = ""   # no SIMD: torch's 4-bit kernel is a scalar loop, dearer than the target's fp32
-        else:
-            try:
-                # the fp32 target decides every token: its draft needs no exact kernels unless asked
-                flags = {**vars(args), "int4": True, "batch_invariant": bool(args.batch_invariant)}
-                return (load(ckpt, argparse.Namespace(**flags), draft=True),)
-            except ValueError as e:       # shapes that do not pack in groups of 32
-                why = f"--draft int4: {e}"
-        if spec == "auto":
-            return (Ngram(),)
-        raise ValueError(why)
-    if spec == "ngram" or spec.startswith("ngram:"):
-        return (Ngram(int(spec.split(":", 1)[1])) if ":" in spec else Ngram(),)   # check_flags saw to n
-    if not spec.startswith("layers:"):
-        return (second_checkpoint(ckpt, spec, lambda c: load(c, args, draft=d.second.flag == "draft")),)
-    return (EarlyExit(int(spec.split(":", 1)[1])),)   # an integer: check_flags saw to it
+    why = None
+    if args.int4 or args.device != "cpu":
+        why = "--draft int4 drafts for a target on the CPU that is not 4-bit itself" + (
+            " (pass --dtype float32 for an fp32 target)" if args.int4 else "")
+    elif spec == "auto" and ATEN_CAPABILITY == "DEFAULT":
+        why = ""   # no SIMD: torch's 4-bit kernel is a scalar loop, dearer than the target's fp32
+    # the fp32 target decides every token: its 4-bit copy needs no exact kernels unless asked
+    copy = argparse.Namespace(**{**vars(args), "int4": True, "batch_invariant": bool(args.batch_invariant)})
+    second = second_for(spec, d.second.flag, Path(ckpt),
+                        lambda c, four_bit: load(c, copy if four_bit else args, draft=d.second.flag == "draft"), why)
+    if isinstance(second[0], Auto):   # the stats line names the draft auto takes
+        args.auto_names = {id(m): name for name, m in second[0].drafts}
+    return second
 
 
 def knobs(args) -> dict:
@@ -193,8 +186,8 @@ def knobs(args) -> dict:
 
 def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices]:
     """The second model and the policy's prices: this machine's cost table (measured once,
-    then read back) and a 4-bit draft's price; --draft auto takes the 4-bit draft where it
-    pays more than the text's n-grams at their priors (engine/adapt/policy.py, pick_draft)."""
+    then read back) and a draft model's price; --draft auto takes, of the drafts that can be
+    built here, the one that pays most at its prior and prices (session.pick)."""
     # a measurement's start is said at once to a terminal (it takes seconds), where it went after
     # the answer; subtle: not to a pipe, whose reader is promised one error line for a request
     # refused after pricing (a self-draft deeper than the model is the decoder's to say)
@@ -202,7 +195,9 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     # a first run whose tokens no price can move answers first, priced by fixed slopes, and
     # measures after its answer (run(): args.measure_after), for the runs after it
     now = prices_move_tokens(args.decoder, knobs(args), args.temperature, on_exact_path(model, probed))
-    p = prices(model, second[0] if second else None, args.cost_table, args.draft_cost, notes.append, live, now)
+    # --draft auto: every draft priced, the one that pays most taken (session.pick)
+    _, second, p = pick(model, second, lambda d: prices(model, d, args.cost_table, args.draft_cost,
+                                                                  notes.append, live, now))
     args.measure_after = not now and args.cost_table is None and (
         p.table is None or (p.draft is None and args.draft_cost is None and second and isinstance(second[0], torch.nn.Module)))
     # which table the choices read: the run's --json and --trace say (a kept table is for good)
@@ -212,10 +207,6 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
                       "fixed slopes (nothing could be kept)")
     if args.trace:   # with the run's notes, after its steps: a trace opens with its first step
         notes.append(f"prices: the k-row costs in {args.priced_by}")
-    if args.decoder == "speculative" and args.draft == "auto" and isinstance(second[0], torch.nn.Module):
-        text = Ngram()
-        pick = pick_draft(model, [(text, Prices(p.table)), (second[0], p)])
-        return (pick,), Prices(p.table) if pick is text else p
     return second, p
 
 
@@ -422,7 +413,7 @@ def second_model(args, second: tuple) -> dict:
         return {flag: f"ngram:{m.n}", f"{flag}_mb": 0.0}
     if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
         return {flag: f"layers:{m.layers}", f"{flag}_mb": 0.0}
-    name = "int4" if spec in ("int4", "auto") else spec
+    name = getattr(args, "auto_names", {}).get(id(m)) or spec
     return {flag: name, f"{flag}_mb": round(resident_bytes(m) / 2**20, 1)}
 
 

@@ -10,17 +10,19 @@ run takes, whether it is exact) and engine/load/'s; this file holds only what bo
 from __future__ import annotations
 
 import sys
-from typing import Callable, Iterator
+from pathlib import Path
+from typing import Callable, Iterator, NamedTuple
 
 from engine.adapt.cost import calibrated, draft_price
-from engine.adapt.policy import Prices, adaptive as policy_for
+from engine.adapt.policy import Prices, adaptive as policy_for, pays
 from engine.decoders import DECODERS
-from engine.draft import EarlyExit
+from engine.draft import Draft, EarlyExit, Ngram
 from engine.fast.aot import check as compilable, compile_step, compiled
 from engine.fast.artifacts import cache_home, unwritable
 from engine.generate import Step
 from engine.llama import Llama, LlamaConfig
 from engine.load.tokenizer import Tokenizer
+from engine.load.weights import family, second_checkpoint
 from engine.sampling import Random, Sampler
 
 
@@ -47,6 +49,53 @@ def prices_move_tokens(decoder: str, knobs: dict, temperature: float, exact: boo
     return not exact or (temperature > 0 and DECODERS[decoder].rejection(knobs))
 
 
+class Auto(NamedTuple):
+    """--draft auto (the API's second="auto"): every draft that can be built here, as (name,
+    draft) pairs, for `pick` to weigh once prices are known; unpriced (the textbook loop), the
+    first: a smaller model of the target's family, else the target in 4 bits, else the n-grams."""
+    drafts: tuple
+
+
+def second_for(spec, flag: str, target: Path, load: Callable[[Path, bool], Llama], copy_why: str | None) -> tuple:
+    """A second-model spec as both doors take it (--draft/--amateur; the API's second=) ->
+    decode()'s second model: a Llama, EarlyExit or Ngram as it is; an int or "layers:L" the
+    target's first L layers; "ngram[:n]" the text's n-grams; "int4" the target's weights in 4
+    bits; "auto" (a draft) Auto(the drafts above that can be built); else a checkpoint
+    directory, which must share the target's tokenizer. load(checkpoint, four_bit) loads on
+    the target's path (four_bit: the 4-bit copy); copy_why: why no 4-bit copy can be built
+    here, or None."""
+    if not isinstance(spec, (str, int)) or isinstance(spec, bool):
+        return (spec,)
+    if isinstance(spec, int) or spec.startswith("layers:"):
+        return (EarlyExit(spec if isinstance(spec, int) else int(spec.split(":", 1)[1])),)
+    if spec == "ngram" or spec.startswith("ngram:"):
+        return (Ngram(int(spec.split(":", 1)[1])) if ":" in spec else Ngram(),)
+    if spec == "int4" and flag == "draft":
+        if copy_why is not None:
+            raise ValueError(copy_why)
+        return (load(target, True),)
+    if spec != "auto" or flag != "draft":
+        return (second_checkpoint(target, spec, lambda c: load(c, False)),)
+    drafts = [(str(d), second_checkpoint(target, d, lambda c: load(c, False))) for d in family(target)]
+    if copy_why is None:
+        try:
+            drafts.append(("int4", load(target, True)))
+        except ValueError:                       # shapes that do not pack in groups of 32
+            pass
+    return (Auto(tuple(drafts) + (("ngram:3", Ngram()),)),)
+
+
+def pick(model: Llama, second: tuple, prices_of: Callable[[Draft | None], Prices]) -> tuple[str, tuple, Prices]:
+    """(name, second, its prices): an Auto's draft that pays most at its prices (policy.pays:
+    tokens per unit of cost at its prior and best K; the first of equals), else `second` as it
+    is ("" its name)."""
+    if not second or not isinstance(second[0], Auto):
+        return "", second, prices_of(second[0] if second else None)
+    scored = [(name, d, prices_of(d)) for name, d in second[0].drafts]
+    name, d, p = max(scored, key=lambda s: pays(model, s[1], s[2]))
+    return name, (d,), p
+
+
 def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: dict, *, adaptive: bool,
          price: Callable[[tuple], tuple[tuple, Prices]], sampler: Sampler, rng: Random,
          max_new_tokens: int, trace: bool = False) -> tuple[Iterator[Step], dict, tuple]:
@@ -55,6 +104,8 @@ def wire(decoder: str, model: Llama, second: tuple, prompt: list[int], knobs: di
     second model (the CLI's --draft auto may pick another) and the prices, only when a policy
     needs them: measured on a first run, so a textbook run measures nothing."""
     d, a = DECODERS[decoder], policy_for(decoder, knobs, adaptive)
+    if a is None and second and isinstance(second[0], Auto):   # no policy, no prices: the first draft
+        second = (second[0].drafts[0][1],)
     if a is not None:
         second, prices_ = price(second)
         knobs = {**knobs, "policy": a.build(model, *second, prices_, knobs)}
@@ -71,6 +122,8 @@ def compile_second(model: Llama, second, notify: Callable[[str], None]):
     stack = compiled(model)
     if stack is None:
         return second
+    if isinstance(second, Auto):
+        return Auto(tuple((name, compile_second(model, d, notify)) for name, d in second.drafts))
     if isinstance(second, EarlyExit) and (0, second.layers) not in stack.runners:
         compile_step(model, notify, splits=[second.layers])
     elif isinstance(second, Llama) and compiled(second) is None:

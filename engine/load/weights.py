@@ -176,3 +176,28 @@ def second_checkpoint(target: str | Path, checkpoint: str | Path, load: Callable
         raise ValueError(f"{checkpoint}: its tokenizer is not the target's ({why}); a draft or an "
                          "amateur must share the target's tokenizer")
     return load(checkpoint)
+
+
+def family(target: str | Path) -> list[Path]:
+    """The smaller checkpoints beside `target` (in its folder) whose tokenizer gives its ids:
+    the drafts of its family that --draft auto weighs, smallest first. Configs are read first
+    (cheap), tokenizers only for the smaller ones; a folder that does not load is passed over."""
+    target = Path(target)
+    size = parameter_count(load_config(target))
+    smaller = []
+    for d in sorted(p for p in target.parent.iterdir() if p.is_dir() and p.resolve() != target.resolve()):
+        try:
+            n = parameter_count(load_config(d))
+        except (OSError, ValueError):
+            continue
+        if n < size:
+            smaller.append((n, d))
+    mine = Tokenizer.load(target)
+    found = []
+    for _, d in sorted(smaller):
+        try:
+            if mine.same_ids(Tokenizer.load(d)) is None:
+                found.append(d)
+        except (OSError, ValueError):
+            continue
+    return found

@@ -42,6 +42,19 @@ def test_the_table_counts_every_line_of_engine():
     assert last.startswith(f"| **engine/** | | **{total}** |")
 
 
+def test_every_part_holds_its_ceiling():
+    # Why: a ceiling that does not hold is a wish; a change that takes a part past it must shrink
+    # something there or raise the ceiling in a commit that says what the lines buy
+    over = {p: n for p, n in size.part_lines().items() if n > size.CEILING[p]}
+    assert over == {}, over
+
+
+def test_a_part_past_its_ceiling_is_named(monkeypatch):
+    # the broken variant: a ceiling below today's lines is caught, by name
+    monkeypatch.setitem(size.CEILING, "loading", 10)
+    assert {p for p, n in size.part_lines().items() if n > size.CEILING[p]} == {"loading"}
+
+
 def test_a_folder_no_part_names_is_an_error_not_lines_left_out(tmp_path):
     for folder in size.FOLDERS:
         (tmp_path / folder).mkdir()

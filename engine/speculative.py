@@ -63,6 +63,8 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
     pair = pair_for(target, draft, len(prompt) + max_new_tokens + scratch, scratch)
     stream = "draft" if verify == "rejection" else "token"
 
+    # subtle: decode() checks its knobs and sizes its caches when called; the loop below is an
+    # inner generator, so it runs step by step as its Steps are read
     def steps(seq: list[int], end: int) -> Iterator[Step]:
         while True:
             n = len(seq)                                       # position of the first new token
@@ -71,12 +73,13 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
             why = getattr(policy, "why", "") if not first else ""   # the numbers behind K, for the trace
             drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream, laws=trace)  # (K, V), (K+1, V)
             asked, k = k, len(drafts)                          # an n-gram draft may propose fewer
-            if not k:       # a plain step: plain's draw, which is either verification's with no drafts
+            # the verdict, one of three (the box's last lines):
+            if not k:                                          # 1. no drafts: plain's own draw
                 out = [sampler.draw(logits[0], rng, "token", n)]
-            elif verify == "rejection" and not sampler.greedy:
+            elif verify == "rejection" and not sampler.greedy:  # 2. rejection: min(1, p/q), else the residual
                 out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
-            else:   # coupled; or greedy, where p and q are one-hot and rejection keeps x_i iff it is
-                    # p_i's argmax, then emits that argmax: the match's answer, with no law built
+            else:   # 3. match: coupled; or greedy, where p and q are one-hot and rejection keeps x_i iff
+                    # it is p_i's argmax, then emits that argmax: the match's answer, with no law built
                 out, _ = verify_match(logits[0], logits[None, 1:], torch.tensor([drafts]), sampler, rng, n)
             if policy and not first:
                 policy.update(k, len(out) - 1)

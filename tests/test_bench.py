@@ -161,7 +161,23 @@ def test_a_bad_llama_cpp_binary_exits_2_before_the_long_run(tmp_path, capsys):
     argv = ["--quick", "--rounds", "1", "--configs", "plain", "--hf-python", "/nonexistent/python",
             "--llama-cpp", str(tmp_path / "none"), "--gguf", str(gguf), "--out", str(tmp_path / "out")]
     assert main(argv) == 2
-    assert "--llama-cpp" in capsys.readouterr().err.strip().splitlines()[-1]
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--llama-cpp" in err[0], err   # the one line: no "loading" ahead of it
+    assert main(argv[:-6] + ["--out", str(tmp_path / "out")]) == 2   # the python named, not there
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "--hf-python" in err[0], err
+
+
+def test_split_refuses_an_out_it_cannot_write_in_one_line(tmp_path, capsys):
+    # Why: tools.split printed "split: fp32" before its error line for --out /dev/full
+    from tools.split import main
+    from engine.load.weights import DEFAULT_CHECKPOINT
+    if not (DEFAULT_CHECKPOINT / "config.json").is_file():
+        pytest.skip("needs make weights")
+    (tmp_path / "file").write_text("")
+    assert main(["--checkpoint", str(DEFAULT_CHECKPOINT), "--out", str(tmp_path / "file" / "below")]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and "error:" in err[0] and "--out" in err[0], err
 
 
 @pytest.mark.parametrize("tie", [False, True])

@@ -412,7 +412,6 @@ def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
     ValueError if `required` (a python named on the command line)."""
     import subprocess
     import tempfile
-    progress(f"HF transformers reference with {python}")
     err = tempfile.TemporaryFile(mode="w+")
 
     def skip(why: str) -> None:
@@ -429,6 +428,7 @@ def hf_reference(python: str, checkpoint: Path, max_new_tokens: int,
     if not version:
         err.seek(0)
         return skip((err.read().strip().splitlines() or ["no output"])[-1])
+    progress(f"HF transformers reference with {python}")   # once it answers: a bad one is one error line
 
     def run(prompt: list[int]) -> dict:
         child.stdin.write(json.dumps([prompt, max_new_tokens]) + "\n")

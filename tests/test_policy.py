@@ -135,7 +135,7 @@ def test_a_4bit_copy_is_priced_as_a_close_draft_and_drafts_from_the_first_step_a
     target = tiny_llama(1, hidden=64)
     c_draft, c_verify, prior = policy.costs(target, int4_copy(target), Prices({1: 1.0, 8: 1.2}))
     dispatch = torch.backends.cpu.get_cpu_capability()
-    assert prior == 0.9 and c_draft == policy.DRAFT_COST.get(("Int4Linear", dispatch), 0.6)
+    assert prior == policy.COPY_PRIOR and c_draft == policy.DRAFT_COST.get(("Int4Linear", dispatch), 0.6)
     assert c_verify(7) == pytest.approx(1.2)
     assert policy.costs(target, int4_copy(target), Prices(draft=0.3))[0] == 0.3   # measured wins
     assert policy.costs(int4_copy(target), int4_copy(target))[0] == 1.0   # a 4-bit target's own copy
@@ -162,10 +162,11 @@ def test_a_family_draft_is_priced_by_the_weights_it_reads_until_measured():
     assert policy.draft_length(target, draft, Prices(table, 0.3)).k >= 1
 
 
-@pytest.mark.parametrize("c,want", [(0.2, "int4"), (0.9, "self")])
+@pytest.mark.parametrize("c,want", [(0.2, "int4"), (1.2, "self")])
 def test_pays_ranks_drafts_by_tokens_per_unit_of_cost(c, want):
     # Why: --draft auto takes the draft `pays` prices higher. Pinned examples: at 0.2 of a
-    # forward a token the 4-bit copy wins (prior 0.9); at 0.9 it loses to a 1-of-2-layer exit.
+    # forward a token the 4-bit copy wins (its prior COPY_PRIOR); at 1.2 no K of it beats plain's
+    # pace, and it does not rank above a 1-of-2-layer exit.
     target = tiny_llama(1, hidden=64)
     copy4, exit1 = policy.pays(target, int4_copy(target), Prices({1: 1.0, 8: 1.2}, c)), \
         policy.pays(target, EarlyExit(1), Prices({1: 1.0, 8: 1.2}))

@@ -53,6 +53,11 @@ NGRAM_HITS, NGRAM_PRIOR = 0.36, 0.68
 # acceptance of Qwen2.5-Coder-0.5B's drafts by the 1.5B (4-bit path, K = 3): 0.89-0.90 on a code
 # prompt; a prior below the measure, as the bench's chat prompts accept less
 FAMILY_PRIOR = 0.8
+# The target's own weights in 4 bits as the draft: its prior alpha. 4-bit SmolLM2-135M agrees with
+# fp32 on 99.4% of greedy tokens (docs/fidelity.md), and as the draft of the fp32 target it gave
+# 6.4-9.1 tokens per target forward on three prompts (alpha ~0.97 or more); at the old prior, 0.9,
+# --draft auto priced it below the text's n-grams and ran at 0.97-1.15x plain where it gave 1.69-1.97x
+COPY_PRIOR = 0.97
 DRAFT_COST = {     # (draft's matmul kind, CPU dispatch) -> its one-row forward / an fp32 target's
     ("Int4Linear", "AVX512"): 0.41,     # the target in 4 bits: Zen 4 0.41, Zen 5 (Q8 head) 0.43 (docs/draft-price.json)
     ("Int4Linear", "AVX2"): 0.65,       # an AVX2-only EPYC: int4 28.7 vs fp32 44.1 ms a step
@@ -324,8 +329,7 @@ def costs(target: Llama, draft: Draft,
     shapes in 4 bits costs DRAFT_COST by CPU dispatch (1 if the target is 4-bit too), another
     one its share of parameters.
 
-    The prior: a self-draft 1/2; a copy of the target in fewer bits 0.9 (4-bit SmolLM2-135M
-    agrees with fp32 on 99.4% of greedy tokens: docs/fidelity.md); another model (a smaller
+    The prior: a self-draft 1/2; a copy of the target in fewer bits COPY_PRIOR; another model (a smaller
     one of the target's family, sharing its tokenizer: the doors check that) FAMILY_PRIOR; the
     text's n-grams NGRAM_PRIOR, where they have a token to propose. Unmeasured, another model's
     draft token costs its share of the weights a one-row forward reads (its layers and head).
@@ -344,7 +348,7 @@ def costs(target: Llama, draft: Draft,
         c = 1.0 if same else DRAFT_COST.get((kind, torch.backends.cpu.get_cpu_capability()), 0.6)
     elif c is None:
         c = reads(draft) / reads(target)
-    return c, lambda k: rows(k + 1), 0.9 if copy else FAMILY_PRIOR
+    return c, lambda k: rows(k + 1), COPY_PRIOR if copy else FAMILY_PRIOR
 
 
 

@@ -1,16 +1,18 @@
 """Faults a user meets on the real checkpoint: a bad knob refused before any weight loads, a
 cache folder that takes no file, a first run that answers before it measures this machine's
-prices, a thread count that moves no token, and the API's own words for bad prompts and dtypes."""
+prices, a thread count that moves no token, runs at once that split the cores, and the API's own
+words for bad prompts and dtypes."""
 import json
 import os
 import subprocess
+import sys
 
 import pytest
 import torch
 
 from conftest import USER_THREADS, unnamed_decoders
 from engine.adapt import cost
-from engine.doors import cli
+from engine.doors import cli, session
 from engine.doors.cli import main
 from engine.fast.artifacts import unwritable
 from engine.generate import plain
@@ -143,6 +145,55 @@ def test_the_thread_count_moves_no_token_on_the_exact_path(decoder, capsys):
         runs.append(json.loads(capsys.readouterr().out))
     torch.set_num_threads(USER_THREADS)
     assert runs[0]["exact_path"] and runs[0]["tokens"] == runs[1]["tokens"]
+
+
+HOLD = ("import fcntl, os, sys, time; fd = os.open(sys.argv[1], os.O_RDWR | os.O_CREAT); "
+        "fcntl.flock(fd, fcntl.LOCK_EX); print('held', flush=True); time.sleep(120)")
+
+
+def holding(path):
+    """A child process holding an engine run's slot at `path`, as a run beside this one does."""
+    path.parent.mkdir(parents=True, exist_ok=True)
+    child = subprocess.Popen([sys.executable, "-c", HOLD, str(path)], stdout=subprocess.PIPE, text=True)
+    assert child.stdout.readline() == "held\n"
+    return child
+
+
+def test_a_run_sees_the_engine_runs_beside_it_and_not_a_killed_one(tmp_path):
+    # Why: two runs of 2 threads on 2 cores collide (149 s each against 11 s alone); each must
+    # see the other to split the cores, and a killed run (its lock let go by the system) none
+    child = holding(tmp_path / "slot-3")
+    with session.slot(tmp_path):
+        assert session.others_running(tmp_path) == 1             # the child; not its own slot
+        mine = session._held[:]
+        session._held.clear()                                    # the broken variant: counting itself
+        try:
+            assert session.others_running(tmp_path) == 2
+        finally:
+            session._held.extend(mine)
+    child.kill()
+    child.wait()
+    assert session.others_running(tmp_path) == 0
+
+
+@pytest.mark.kernels
+def test_beside_another_run_the_cli_splits_the_cores_and_prints_the_same_tokens(capsys):
+    # Why: the default (torch's threads, one per core) must not collapse beside another run; on
+    # the exact 4-bit path the split moves no token, and prices timed beside another run are not
+    # this machine's, so none are measured
+    argv = ["--prompt", "Name three colours.", "--max-new-tokens", "16", "--json"]
+    assert main(argv) == 0
+    alone = json.loads(capsys.readouterr().out)
+    child = holding(session.slots() / f"slot-{session.SLOTS - 1}")
+    try:
+        assert main(argv) == 0
+        shared = json.loads(capsys.readouterr().out)
+    finally:
+        child.kill()
+        child.wait()
+        torch.set_num_threads(USER_THREADS)
+    assert shared["tokens"] == alone["tokens"] and shared["exact_path"]
+    assert shared["threads"] == max(1, session.CORES // 2) and any("other engine run" in n for n in shared["notes"])
 
 
 def test_the_api_answers_a_bad_prompt_and_dtype_in_its_own_words():

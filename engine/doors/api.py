@@ -28,7 +28,7 @@ from engine.adapt.cost import probed
 from engine.adapt.policy import adaptive as policy_for
 from engine.decoders import DECODERS
 from engine.doors.session import (Auto, cache_note, check_context, compile_second, encode, pick, prices,
-                                  prices_move_tokens, say, second_for, wire)
+                                  others_running, prices_move_tokens, say, second_for, share_cores, wire)
 from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
 from engine.load.weights import second_checkpoint
 from engine.fast.aot import compile_step
@@ -59,14 +59,13 @@ class Engine:
         """A checkpoint directory (default: `make weights`' model) loaded as `build` does, on the
         CLI's path for these keywords (unset: the fastest exact path here, fast.paths.default_path);
         compile: the CLI's --compile (int4 only), its notes on stderr as the CLI says them;
-        threads: the CLI's --threads (torch's threads, for this process)."""
+        threads: the CLI's --threads (torch's threads, for this process; unset, split among the
+        engine runs on this machine at once, on the exact 4-bit path)."""
         ckpt = default_checkpoint() if checkpoint is None else checkpoint
         if not Path(ckpt).is_dir():
             raise ValueError(f"checkpoint {ckpt} is not a directory")
         if threads is not None and (type(threads) is not int or not 1 <= threads <= 1024):
             raise ValueError(f"threads must be an int in [1, 1024], got {threads!r}")
-        if threads is not None:
-            torch.set_num_threads(threads)
         names = {v: k for k, v in DTYPES.items()}
         if dtype is not None and dtype not in names:
             raise ValueError(f"dtype {dtype!r}: one of {', '.join(map(str, names))}")
@@ -76,6 +75,10 @@ class Engine:
             check_compile(path.int4, path.batch_invariant, "compile=True", "int4=True", "batch_invariant=False")
         if (note := cache_note()) is not None:
             say(note)
+        # other engine runs at once split the cores, on the exact 4-bit path (session.share_cores)
+        used, others = share_cores(threads, bool(path.int4 and path.batch_invariant is not False))
+        if others:
+            say(f"{others} other engine run(s) share this machine: {used} thread(s) here (threads= sets them)")
         built = dict(dtype=DTYPES[path.dtype], device=device, int4=path.int4, packed=packed,
                      batch_invariant=path.batch_invariant)
         model = build(ckpt, **built)
@@ -145,7 +148,7 @@ class Engine:
         self.stats, self.picked = Stats(), picked
         tokens = generate(steps, max_new_tokens=max_new_tokens, eos_ids=self.tokenizer.eos_ids, stats=self.stats)
         return tokens if now or policy_for(decoder, knobs, adaptive) is None else \
-            then(tokens, lambda: prices(self.model, *picked))
+            then(tokens, lambda: others_running() or prices(self.model, *picked))   # not beside another run
 
     def receipt(self, prompt: str | list[int], **kw) -> dict:
         """The CLI's --receipt: this call's tokens (`tokens(prompt, **kw)`) against the reference

@@ -28,7 +28,7 @@ from engine.adapt.policy import Prices
 from engine.decoders import DECODERS, Decoder, Second
 from engine.doors.receipt import line as receipt_line, receipt, reference
 from engine.doors.session import (Auto, cache_note, check_context, compile_second, encode, pick, prices, prices_move_tokens,
-                                  second_for, wire)
+                                  others_running, second_for, share_cores, slot, wire)
 from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
 from engine.load.weights import second_checkpoint
 from engine.draft import EarlyExit, Ngram
@@ -87,9 +87,9 @@ def parser() -> argparse.ArgumentParser:
     p.add_argument("--checkpoint", help="HF-format checkpoint dir (default: SmolLM2-135M-Instruct)")
     p.add_argument("--device", default="cpu", help="cpu, cuda, cuda:1, ...")
     p.add_argument("--threads", type=int, default=None,
-                   help="CPU threads for the matmuls (default: torch's, one per core). Runs sharing the cores "
-                        "should split them (two runs on 2 cores: --threads 1 each); tokens do not depend on it "
-                        "on the exact paths")
+                   help="CPU threads for the matmuls (default: torch's, one per core, split among the engine "
+                        "runs on this machine at once on the exact 4-bit path); tokens do not depend on it on the "
+                        "exact paths")
     p.add_argument("--dtype", choices=DTYPES,
                    help="weights and activations (default: the fastest exact path here, --int4's bfloat16 on a "
                         "CPU where the model packs in 4-bit groups, else float32 with --batch-invariant; the "
@@ -300,8 +300,6 @@ def bound_knobs(args) -> list[str]:
 
 def run(args) -> dict:
     check_flags(args)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
     sampler, rng = Sampler(args.temperature, args.top_k, args.top_p), Random(args.seed)
     ckpt = default_checkpoint() if args.checkpoint is None else args.checkpoint
     if not Path(ckpt).is_dir():
@@ -310,6 +308,8 @@ def run(args) -> dict:
     config = load_config(ckpt)                  # validated before any weight is read
     path = default_path(config, args.device, args.dtype, args.int4, args.batch_invariant, not args.no_prepack)
     args.dtype, args.int4, args.batch_invariant = path.dtype, path.int4, path.batch_invariant
+    # other engine runs at once split the cores (on the exact 4-bit path, where tokens do not move)
+    threads, args.others = share_cores(args.threads, bool(path.int4 and path.batch_invariant is not False))
     if args.compile and not args.int4:
         raise ValueError(f"--compile compiles the exact 4-bit step, and this run's path is {path.name} ({path.why})")
     tok = Tokenizer.load(ckpt)
@@ -323,7 +323,9 @@ def run(args) -> dict:
     # subtle: the clamps are said with the run's other notes, after it: checks still to come (the
     # cost table, --draft, the decoder's own knobs) may refuse the run, and a note ahead of the
     # error line would read as if the run went on
-    clamps = bound_knobs(args) + [n for n in [cache_note()] if n]
+    clamps = bound_knobs(args) + [n for n in [cache_note()] if n] + [
+        f"{args.others} other engine run(s) share this machine: {threads} thread(s) here (--threads sets them), and "
+        "its prices are left for a run alone to measure"] * bool(args.others)
     # every knob of the decoder (an early exit's depth too), judged on the config alone: a bad
     # one costs no load, no 4-bit preparing and no price measuring
     spec = getattr(args, DECODERS[args.decoder].second.flag) if DECODERS[args.decoder].second else None
@@ -362,7 +364,8 @@ def run(args) -> dict:
     seconds = time.perf_counter() - t0
     if not args.json:
         print(before_stop(streamed + stream.flush(), args.stop)[shown:], flush=True)
-    if getattr(args, "measure_after", False):   # the answer is out: now this machine's prices, kept
+    # the answer is out: now this machine's prices, kept; not beside another run (it came or went)
+    if getattr(args, "measure_after", False) and not args.others and not others_running():
         prices(model, second[0] if second else None, None, args.draft_cost, notes.append)
     text = before_stop(tok.decode([x for x in out if x not in tok.eos_ids]), args.stop)
     # subtle: a k-row forward rounds a row apart from a one-row forward (SDPA's key blocks follow
@@ -390,7 +393,7 @@ def run(args) -> dict:
             "hit_rate": stats.hit_rate, "step_lengths": dict(sorted(stats.step_lengths.items())),
             "arms": dict(sorted(stats.arms.items(), key=lambda a: -a[1])),
             "load_peak_rss_mb": load_peak, "decode_peak_rss_mb": peak_rss_mb(), "notes": notes,
-            "priced_by": getattr(args, "priced_by", None),
+            "priced_by": getattr(args, "priced_by", None), "threads": threads,
             **second_model(args, second), **({"receipt": receipt_} if receipt_ else {})}
 
 
@@ -452,7 +455,8 @@ def main(argv: list[str] | None = None) -> int:
         sys.stderr = open(os.devnull, "w")   # so notes would land inside the answer
     args = parser().parse_args(argv)
     try:
-        result = run(args)
+        with slot():   # this run is seen by the engine runs that start beside it (session.share_cores)
+            result = run(args)
         if args.json:
             print(json.dumps(result))
         sys.stdout.flush()    # here, not at exit: a full disk must be this one line

@@ -9,9 +9,14 @@ run takes, whether it is exact) and engine/load/'s; this file holds only what bo
 """
 from __future__ import annotations
 
+import os
 import sys
+import tempfile
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Callable, Iterator, NamedTuple
+
+import torch
 
 from engine.adapt.cost import calibrated, draft_price
 from engine.adapt.policy import Prices, adaptive as policy_for, pays
@@ -167,3 +172,80 @@ def cache_note() -> str | None:
 def say(line: str) -> None:
     """A note on stderr, as the CLI prints it (compile's progress and fallbacks)."""
     print(f"note: {line}", file=sys.stderr, flush=True)
+
+
+SLOTS = 16                        # engine runs at once that see each other
+CORES = torch.get_num_threads()   # torch's default: one thread per core
+_held: list[int] = []   # the slot (a lock file's fd) this process holds while a CLI run lasts
+
+
+def slots(folder: Path | None = None) -> Path:
+    """Where the slots are: one folder per user of this machine, whatever the cache folder (two
+    runs with their own XDG_CACHE_HOME share the cores all the same)."""
+    return folder or Path(tempfile.gettempdir()) / f"engine-runs-{getattr(os, 'getuid', lambda: 0)()}"
+
+
+@contextmanager
+def slot(folder: Path | None = None):
+    """This run's slot among the engine runs on this machine, held while the block runs: an
+    flock on one of SLOTS files in `slots()`, which the system lets go when the process ends, so
+    a killed run leaves none behind. Nothing where the folder cannot be written."""
+    fd = None
+    try:
+        import fcntl                                       # POSIX; elsewhere every run is alone
+        slots(folder).mkdir(parents=True, exist_ok=True)
+        for i in range(SLOTS):
+            fd = os.open(slots(folder) / f"slot-{i}", os.O_RDWR | os.O_CREAT, 0o644)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except OSError:
+                os.close(fd)
+                fd = None
+    except (ImportError, OSError):
+        fd = None
+    if fd is not None:
+        _held.append(fd)
+    try:
+        yield
+    finally:
+        if fd is not None:
+            _held.remove(fd)
+            os.close(fd)                                   # closing lets the lock go
+
+
+def others_running(folder: Path | None = None) -> int:
+    """How many other engine runs hold a slot now (this process's own not counted); a run takes
+    its slot before it looks, so two that start together each see the other."""
+    try:
+        import fcntl
+        mine = [os.fstat(fd) for fd in _held]
+        others = 0
+        for path in slots(folder).glob("slot-*"):
+            if any(os.path.samestat(m, os.stat(path)) for m in mine):
+                continue
+            fd = os.open(path, os.O_RDWR)
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)   # free: nobody there
+            except OSError:
+                others += 1
+            finally:
+                os.close(fd)
+        return others
+    except (ImportError, OSError):
+        return 0
+
+
+def share_cores(threads: int | None, exact_int4: bool) -> tuple[int, int]:
+    """(the threads this run takes, set in torch; the other engine runs it saw): `threads` if
+    given (then it looks for none); else, on the exact 4-bit
+    path (where a row's bits do not depend on the split: tests/test_faults.py) and with other
+    engine runs holding slots, this machine's cores split among them; else torch's default.
+    subtle: two runs of 2 threads each on 2 cores do not share, they collide (OpenMP threads spin
+    while they wait: a first run took 149 s beside another, 11 s alone; 16 s each at 1 thread)."""
+    others = others_running() if threads is None and exact_int4 else 0
+    if others:
+        threads = max(1, CORES // (others + 1))
+    if threads is not None:
+        torch.set_num_threads(threads)
+    return torch.get_num_threads(), others

@@ -309,3 +309,13 @@ def test_the_clis_draft_auto_names_the_family_draft_it_took(qwen2, tmp_path, cap
     assert cli(argv + ["--no-adaptive"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["draft"] == str(small) and out["draft_mb"] > 0
+
+
+def test_the_oracle_tool_refuses_a_model_without_its_gguf_in_one_line(qwen2, tmp_path, capsys):
+    # tools.oracle reads each model's GGUF with transformers: a checkpoint with none beside it
+    # is one error line before anything loads, and no --out is made
+    from tools.oracle import main as oracle
+    lone = shutil.copytree(qwen2, tmp_path / "lone")
+    assert oracle(["--models", str(lone), "--out", str(tmp_path / "out"), "--problems", "1"]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 1 and err[0].startswith("error:") and "GGUF" in err[0] and not (tmp_path / "out").exists()

@@ -82,10 +82,10 @@ def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
 
     def work():
-        out = out_dir(args.out)
         for ckpt in args.models:
             if not (ckpt / "config.json").is_file() or not (ckpt.parent / f"{ckpt.name}.gguf").is_file():
                 raise ValueError(f"{ckpt}: no checkpoint with its GGUF beside it there (make pair)")
+        out = out_dir(args.out)
         tok = Tokenizer.load(args.models[0])
         by_cat = prompts(tok, args.problems)
         all_ = [p for ps in by_cat.values() for p in ps]

@@ -26,7 +26,7 @@ FOLDERS = {"adapt": "what adapts", "fast": "the exact fast paths", "load": "load
 # lines per part, a ceiling that holds (the first per-module budgets of a 2,600-line library went:
 # docs/size.md); raised only by a commit that names what the lines buy
 CEILING = {"the algorithms": 2000, "what adapts": 800, "the exact fast paths": 1250, "loading": 800,
-           "the front doors": 1050}
+           "the front doors": 1100}
 
 
 def parts(engine: Path) -> dict[str, list[str]]:

@@ -6,12 +6,11 @@ import json
 import pytest
 import torch
 
+from cases import CASES, run
 from conftest import tiny_llama, unnamed_decoders
-from engine import contrastive, lookahead, lookup, speculative
-from engine.adapt import policy
+from engine import contrastive, lookup, speculative
 from engine.decoders import DECODERS
-from engine.draft import EarlyExit, Ngram
-from engine.generate import generate, plain
+from engine.generate import generate
 from engine.sampling import Random, Sampler
 from engine.trace import Tracer, claimed, traced
 
@@ -19,28 +18,9 @@ V, PROMPT, BUDGET = 6, [1, 2, 3, 1, 2, 4, 1, 2], 64
 TARGET, DRAFT = tiny_llama(0, vocab=V), tiny_llama(3, vocab=V, n_layers=1)
 SAMPLERS = {"greedy": Sampler(), "t=0.8": Sampler(0.8), "t=1.2,top-k=4": Sampler(1.2, top_k=4)}
 
-TRACED = {   # label naming its registry decoder -> (sampler, rng, trace) -> steps
-    "plain": lambda s, r, t: plain(TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
-    "lookahead W=3 N=3 G=3": lambda s, r, t: lookahead.decode(
-        TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, window=3, ngram=3, guesses=3, trace=t),
-    "lookahead auto": lambda s, r, t: lookahead.decode(
-        TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
-        policy=policy.for_lookahead(TARGET, policy.Prices(), {})),
-    "lookup": lambda s, r, t: lookup.decode(TARGET, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
-    "speculative K=3": lambda s, r, t: speculative.decode(
-        TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=3, trace=t),
-    "speculative coupled": lambda s, r, t: speculative.decode(
-        TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=2, verify="coupled", trace=t),
-    "speculative adaptive self-draft": lambda s, r, t: speculative.decode(
-        TARGET, EarlyExit(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t,
-        policy=policy.draft_length(TARGET, EarlyExit(1))),
-    "speculative n-gram draft": lambda s, r, t: speculative.decode(
-        TARGET, Ngram(2, least=1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, num_draft=3, trace=t),
-    "contrastive": lambda s, r, t: contrastive.decode(
-        TARGET, DRAFT, PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, trace=t),
-    "speculative contrastive": lambda s, r, t: contrastive.decode(
-        TARGET, EarlyExit(1), PROMPT, sampler=s, rng=r, max_new_tokens=BUDGET, speculative=True, num_draft=2, trace=t),
-}
+# label naming its registry decoder -> (sampler, rng, trace) -> steps: tests/cases.py's table
+TRACED = {label: lambda s, r, t, label=label: run(label, TARGET, DRAFT, PROMPT, sampler=s, rng=r,
+                                                  max_new_tokens=BUDGET, trace=t) for label in CASES}
 
 
 def letters(ids):   # the tiny models' "tokenizer": token i is the i-th letter

@@ -74,10 +74,11 @@ DECODERS = {
                                "(seed-identical to plain)", ("rejection", "coupled"))),
         second=Second("draft", "auto", "int4: the target's weights in 4 bits; layers:L: the target's first L "
                       "layers; ngram[:n]: the text's own n-grams, no model (n = 3: the token after the latest "
-                      "earlier match of the last 3 or 2 tokens); a checkpoint dir; auto (default): of the "
+                      "earlier match of the last 3 or 2 tokens); ngram[:n]+MODEL: the n-grams where the text "
+                      "repeats, else MODEL (int4 or a checkpoint dir); a checkpoint dir; auto (default): of the "
                       "drafts that can be built here (the smaller checkpoints beside the target that share its "
-                      "tokenizer, int4 but under a SIMD-less kernel dispatch, ngram) the one the cost model "
-                      "says pays most (--no-adaptive: the first)"),
+                      "tokenizer, each alone and beside the n-grams, int4 but under a SIMD-less kernel "
+                      "dispatch, ngram) the one the cost model says pays most (--no-adaptive: the first)"),
         rejection=lambda k: k.get("verify", "rejection") == "rejection"),
     "contrastive": Decoder(
         decode=contrastive.decode, check=contrastive.check, sizes=("num_draft",), about="contrastive",

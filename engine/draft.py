@@ -57,9 +57,13 @@ class Ngram:
     text repeats (`--draft ngram`; lookup decoding is the same guess under its own policy).
     least = 2: on the bench's chat texts a guess after any match (one token or more) was the next
     token 9% of the time, after a match of two or more 40% (68% over all prompts:
-    engine/adapt/policy.py, NGRAM_PRIOR)."""
+    engine/adapt/policy.py, NGRAM_PRIOR).
+    otherwise: a draft Llama that proposes where the text has no match (`--draft ngram+PATH`):
+    the text's guess where it repeats (free), the small model's elsewhere; which one proposes
+    is a function of the text alone, so the law holds as for either."""
     n: int = 3
     least: int = 2
+    otherwise: Llama | None = None
 
 
 class SeparatePair:
@@ -69,11 +73,13 @@ class SeparatePair:
         self.target, self.draft = target, draft
         self.tcache = KVCache.for_model(target, capacity, scratch=scratch)
         self.dcache = KVCache.for_model(draft, capacity, scratch=scratch)
+        self.forwards = 0                                 # the draft's forwards so far
 
     target_seen = property(lambda self: self.tcache.length)   # slots the target has in cache
     draft_seen = property(lambda self: self.dcache.length)
 
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        self.forwards += 1
         return self.draft(tokens, positions, self.dcache, keep=[-1])[0, -1]           # (V,)
 
     def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
@@ -91,6 +97,7 @@ class EarlyExitPair:
     def __init__(self, target: Llama, L: int, capacity: int, scratch: int):
         self.target, self.L, self.cache = target, L, KVCache.for_model(target, capacity, scratch=scratch)
         self.base, self.hidden = 0, []    # slots whose every layer is valid; layer-L x since then
+        self.forwards = 0                 # the draft's (layers < L) forwards so far
 
     target_seen = property(lambda self: self.base)
     draft_seen = property(lambda self: self.cache.length)
@@ -102,6 +109,7 @@ class EarlyExitPair:
 
     @torch.inference_mode()
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
+        self.forwards += 1
         return self.target.head(self._lower(tokens, positions)[:, -1:])[0, -1]      # (V,)
 
     @torch.inference_mode()
@@ -121,11 +129,15 @@ class EarlyExitPair:
 
 
 class NgramPair:
-    """The text as the draft (Ngram): the target's cache, and the tokens the draft was fed."""
+    """The text as the draft (Ngram): the target's cache, and the tokens the draft was fed; with
+    a model `otherwise`, its own cache, fed the text it has not seen only when it must propose."""
 
     def __init__(self, target: Llama, ngram: Ngram, capacity: int, scratch: int):
         self.target, self.n, self.least, self.text = target, ngram.n, min(ngram.least, ngram.n), []
         self.cache = KVCache.for_model(target, capacity, scratch=scratch)
+        self.model = ngram.otherwise
+        self.mcache = KVCache.for_model(self.model, capacity, scratch=scratch) if self.model else None
+        self.forwards = 0                                 # the model's forwards so far
 
     target_seen = property(lambda self: self.cache.length)
     draft_seen = property(lambda self: len(self.text))
@@ -133,8 +145,13 @@ class NgramPair:
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor | None:
         self.text += tokens[0].tolist()
         guess, m, _ = find(self.text, self.n, 1)
-        if m < self.least:
+        if m < self.least and self.model is None:
             return None                                   # no match long enough: nothing to propose
+        if m < self.least:                                # the model proposes: fed what it lacks
+            seen, w = self.mcache.length, self.target.tok_embeddings.weight
+            self.forwards += 1
+            return self.model(torch.tensor([self.text[seen:]], device=w.device),
+                              torch.arange(seen, len(self.text), device=w.device), self.mcache, keep=[-1])[0, -1]  # (V,)
         w = self.target.tok_embeddings.weight
         # a one-hot law under every sampler: probs() of these logits is 1 at the guess
         return torch.full((self.target.config.vocab_size,), float("-inf"), device=w.device).index_fill_(
@@ -146,6 +163,8 @@ class NgramPair:
     def rollback(self, n: int) -> None:
         self.cache.truncate(n)
         del self.text[n:]                                 # a last draft never fed to it is not there
+        if self.mcache is not None:
+            self.mcache.truncate(min(n, self.mcache.length))
 
 
 def lower(model: Llama, tokens: Tensor, positions: Tensor, cache: KVCache, L: int) -> Tensor:
@@ -174,20 +193,29 @@ Pair = SeparatePair | EarlyExitPair | NgramPair
 
 
 def pair_for(target: Llama, draft: Draft, capacity: int, scratch: int) -> Pair:
-    """The pair for a draft Llama (same vocab), an early exit or the text's n-grams; `scratch` of
-    the `capacity` slots only ever hold one step's drafts (the rest must fit the context)."""
+    """The pair for a draft Llama (same vocab), an early exit or the text's n-grams (with a draft
+    Llama or not); `scratch` of the `capacity` slots only ever hold one step's drafts (the rest
+    must fit the context)."""
     if isinstance(draft, EarlyExit):
         return EarlyExitPair(target, draft.layers, capacity, scratch)
     if isinstance(draft, Ngram):
         if not all(type(v) is int and v >= 1 for v in (draft.n, draft.least)):
             raise ValueError(f"an n-gram draft needs integers n, least >= 1, got {draft}")
+        if draft.otherwise is not None:
+            speaks_as(target, draft.otherwise)
         return NgramPair(target, draft, capacity, scratch)
+    return SeparatePair(target, speaks_as(target, draft), capacity, scratch)
+
+
+def speaks_as(target: Llama, draft) -> Llama:
+    """`draft` if it is a model with the target's vocabulary (a Llama, or any module that
+    answers as one); else a ValueError."""
     if isinstance(draft, int):   # a bare layer count: which decoder's range of L would it be?
         raise ValueError(f"the cheap model is a Llama or EarlyExit(L), got {draft!r}")
     if draft.config.vocab_size != target.config.vocab_size:
         raise ValueError(f"vocab {draft.config.vocab_size} != the target's {target.config.vocab_size}: "
                          "the cheap model must speak in the target's token ids")
-    return SeparatePair(target, draft, capacity, scratch)
+    return draft
 
 
 def draft_then_verify(pair: Pair, seq: list[int], k: int, sampler: Sampler, rng: Random, stream: str,

@@ -222,7 +222,7 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
     scratch = max((N - 1) * (W + G), policy.copy_most if policy else 0)
     cache = KVCache.for_model(model, len(prompt) + max_new_tokens + scratch, scratch=scratch)
     device = model.tok_embeddings.weight.device
-    pool = Pool(G, N)
+    pool = Pool(G, N)                                  # per key token, its latest G n-grams: a step verifies G
     pool.add_text(prompt)
     levels = init_window(prompt, W, N)                 # N-1 levels x W columns
 
@@ -262,7 +262,10 @@ def decode(model: Llama, prompt: list[int], *, sampler: Sampler, rng: Random, ma
                     "arm": arm, "levels": sent, "parent": rows.parent, "grams": grams, "best": best,
                     "accepted": m, "next": out[-1], "why": getattr(policy, "why", "")}  # the numbers behind the arm
         if w:                                                         # the sent columns move on
-            new = logits[[at[r] for r in rows.newest]].argmax(-1).tolist()   # (w,) argmax, even sampling
+            # argmax even when sampling: the window only guesses, verify_match alone decides tokens
+            new = logits[[at[r] for r in rows.newest]].argmax(-1).tolist()   # (w,)
+            # the sent columns shift one level (their oldest level's n-grams go to the pool), the
+            # paused columns (>= w) keep theirs
             levels = [moved + level[w:] for moved, level in zip(advance(pool, sent, x, new), levels)]
             if trace:
                 info["minted"] = new

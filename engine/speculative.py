@@ -9,7 +9,8 @@ forward and keeps a prefix of the drafts plus one token of its own. Two verifica
 The draft is another Llama with the target's vocab (such as `fast.paths.build(checkpoint, int4=True)`,
 the target's own weights in 4 bits), `EarlyExit(L)`: the target's layers [0, L) + its norm and
 head (an early exit), sharing the target's weights and KV cache, or `Ngram(n)`: the text's own
-n-grams, no model at all, proposing only as far as the text repeats (engine/draft.py). Whichever,
+n-grams, no model at all, proposing only as far as the text repeats, or `Ngram(otherwise=draft)`:
+the text where it repeats and a draft Llama elsewhere (engine/draft.py). Whichever,
 the target decides every token: the output is the target's, however good the draft.
 K is fixed (`num_draft`) unless a policy chooses it per step (engine/adapt/policy.py, DraftLength).
 But: batch size 1, one chain of drafts (no trees), no drafts with another tokenizer.
@@ -20,7 +21,7 @@ from typing import Iterator
 
 import torch
 
-from engine.draft import Draft, EarlyExit, Ngram, draft_then_verify, pair_for
+from engine.draft import Draft, EarlyExit, draft_then_verify, pair_for
 from engine.generate import Step
 from engine.llama import Llama, LlamaConfig
 from engine.sampling import Random, Sampler, verify_match, verify_rejection
@@ -48,7 +49,8 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
                          (an n-gram draft with no match at n+i: K = i)
         p_0..p_K = probs(target(x_<n+K))                            one forward, K+1 rows
         rejection: accept x_{n+i} w.p. min(1, p_i/q_i); first reject: y ~ norm((p_i - q_i)+)
-        coupled:   y_i ~ p_i with plain's key ("token", n+i); accept while y_i == x_{n+i}
+        coupled (a match): y_i ~ p_i with plain's key ("token", n+i); accept while y_i == x_{n+i}
+        K = 0 (nothing drafted): y ~ p_0, plain's draw
         all K accepted: bonus y ~ p_K;  emit accepted drafts + y
         truncate both caches to the committed prefix
     p_i is the target's law at position n+i (its row after x_<n+i). `policy` (engine/adapt/policy.py,
@@ -59,7 +61,6 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
     check(target.config, draft, num_draft, verify)
     # a step never drafts past the budget, so K beyond it would only size the cache
     scratch = min(max(num_draft, policy.most if policy else 0), max_new_tokens) + 1
-    forwards = not isinstance(draft, Ngram)                # a draft token costs a draft forward
     pair = pair_for(target, draft, len(prompt) + max_new_tokens + scratch, scratch)
     stream = "draft" if verify == "rejection" else "token"
 
@@ -71,6 +72,9 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
             first = not pair.target_seen                       # the prefill: plain's step (generate.py)
             k = 0 if first else min(policy.k if policy else num_draft, max(end - n - 1, 0))
             why = getattr(policy, "why", "") if not first else ""   # the numbers behind K, for the trace
+            ran = pair.forwards                                # the draft's forwards before this step
+            # the drafts, their laws q (built only for the trace: a greedy verdict needs none), the
+            # draft's logits a, and the target's K+1 rows
             drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream, laws=trace)  # (K, V), (K+1, V)
             asked, k = k, len(drafts)                          # an n-gram draft may propose fewer
             # the verdict, one of three (the box's last lines):
@@ -80,6 +84,7 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
                 out = verify_rejection(sampler.probs(logits), q, drafts, rng, n)
             else:   # 3. match: coupled; or greedy, where p and q are one-hot and rejection keeps x_i iff
                     # it is p_i's argmax, then emits that argmax: the match's answer, with no law built
+                # one candidate, the drafts: rows (1, K, V), ids (1, K)
                 out, _ = verify_match(logits[0], logits[None, 1:], torch.tensor([drafts]), sampler, rng, n)
             if policy and not first:
                 policy.update(k, len(out) - 1)
@@ -92,7 +97,7 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
                 info = {"kind": "speculative", "position": n, "first": first, "verify": verify, "asked": asked,
                         "adaptive": bool(policy), "greedy": sampler.greedy, "why": why,
                         **verdicts(p, q, drafts, out, u, (logits, torch.stack(a[:k])) if k else None)}
-            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=k * forwards, trace=info,
+            yield Step(out, forwards=1, drafted=k, accepted=len(out) - 1, draft_forwards=pair.forwards - ran, trace=info,
                        arm=f"K={k}" if policy else "")
 
     return steps(list(prompt), len(prompt) + max_new_tokens)

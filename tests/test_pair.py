@@ -280,7 +280,7 @@ def test_a_targets_family_is_the_smaller_models_beside_it_that_share_its_tokeniz
     assert family(target) == [small]
 
 
-@pytest.mark.parametrize("favoured", ["family", "ngram"])
+@pytest.mark.parametrize("favoured", ["family", "ngram", "ngram+family"])
 def test_draft_auto_takes_the_draft_that_pays_most_and_keeps_plains_tokens(qwen2, tmp_path, favoured, monkeypatch):
     # Why: auto's candidates include the family's draft, and the pick is the one `pays` ranks
     # first, through the API and the CLI alike (session.second_for and session.pick); whichever
@@ -289,16 +289,19 @@ def test_draft_auto_takes_the_draft_that_pays_most_and_keeps_plains_tokens(qwen2
     from engine.doors import session
     from engine.doors.api import Engine
     target, small, _ = family_folder(qwen2, tmp_path)
+    hybrid = lambda d: type(d).__name__ == "Ngram" and d.otherwise is not None
     score = {"family": lambda m, d, p: 2.0 if isinstance(d, torch.nn.Module) and d.config.n_layers == 1 else 1.0,
-             "ngram": lambda m, d, p: 2.0 if type(d).__name__ == "Ngram" else 1.0}[favoured]
+             "ngram": lambda m, d, p: 2.0 if type(d).__name__ == "Ngram" and not hybrid(d) else 1.0,
+             "ngram+family": lambda m, d, p: 2.0 if hybrid(d) else 1.0}[favoured]
     monkeypatch.setattr(session, "pays", score)
     llm = Engine.load(target, dtype=torch.float32, batch_invariant=True)
     prompt = [3, 5, 7, 3, 5]
     want = list(llm.tokens(prompt, max_new_tokens=8))
     assert list(llm.tokens(prompt, decoder="speculative", second="auto", max_new_tokens=8)) == want
     picked = llm.picked[0]
-    assert (type(picked).__name__, getattr(getattr(picked, "config", None), "n_layers", None)) == \
-        {"family": ("Llama", 1), "ngram": ("Ngram", None)}[favoured]
+    model = getattr(picked, "otherwise", picked)   # the n-grams' model beside them, if any
+    assert (type(picked).__name__, getattr(getattr(model, "config", None), "n_layers", None)) == \
+        {"family": ("Llama", 1), "ngram": ("Ngram", None), "ngram+family": ("Ngram", 1)}[favoured]
 
 
 def test_the_clis_draft_auto_names_the_family_draft_it_took(qwen2, tmp_path, capsys):
@@ -309,6 +312,21 @@ def test_the_clis_draft_auto_names_the_family_draft_it_took(qwen2, tmp_path, cap
     assert cli(argv + ["--no-adaptive"]) == 0
     out = json.loads(capsys.readouterr().out)
     assert out["draft"] == str(small) and out["draft_mb"] > 0
+
+
+def test_the_clis_ngram_plus_model_draft_keeps_plains_tokens_and_names_both(qwen2, tmp_path, capsys):
+    # --draft ngram+PATH: the text's n-grams where it repeats, the family's draft elsewhere;
+    # greedy, plain's tokens; the stats name the spec and the model's memory
+    target, small, _ = family_folder(qwen2, tmp_path)
+    argv = ["--checkpoint", str(target), "--dtype", "float32", "--batch-invariant", "--raw", "--prompt",
+            "the cat the cat the", "--max-new-tokens", "8", "--json"]
+    assert cli(argv) == 0
+    want = json.loads(capsys.readouterr().out)["tokens"]
+    assert cli(argv + ["--decoder", "speculative", "--draft", f"ngram:2+{small}"]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["tokens"] == want and out["draft"] == f"ngram:2+{small}" and out["draft_mb"] > 0
+    assert cli(argv + ["--decoder", "speculative", "--draft", "ngram+layers:1"]) == 2   # a model, not an exit
+    assert "after 'ngram+' comes a draft model" in capsys.readouterr().err
 
 
 def test_the_oracle_tool_refuses_a_model_without_its_gguf_in_one_line(qwen2, tmp_path, capsys):

@@ -30,9 +30,10 @@ def near_copy(target, seed, eps=0.05):
 
 
 def make_pair(kind, seed):
-    """(target, draft) of one of five kinds: a stranger, a near copy, an early exit, the
-    target's own weights in 4 bits (bf16 activations: a draft that rounds apart from it), and
-    the text's n-grams (n = 1..3: a draft that proposes only where the text repeats)."""
+    """(target, draft) of one of six kinds: a stranger, a near copy, an early exit, the
+    target's own weights in 4 bits (bf16 activations: a draft that rounds apart from it), the
+    text's n-grams (n = 1..3: a draft that proposes only where the text repeats), and the
+    n-grams with a near copy proposing where the text does not repeat."""
     if kind == "int4":
         target = tiny_llama(seed % 5, n_layers=2 + seed % 2, hidden=64)
         return target, int4_copy(target)
@@ -43,6 +44,8 @@ def make_pair(kind, seed):
         return target, near_copy(target, seed)
     if kind == "ngram":
         return target, Ngram(1 + seed % 3, least=1 + seed % 2)
+    if kind == "ngram+model":
+        return target, Ngram(1 + seed % 3, least=1 + seed % 2, otherwise=near_copy(target, seed))
     return target, EarlyExit(1 + seed % target.config.n_layers)    # layers:L, L < n_layers or all
 
 
@@ -59,7 +62,7 @@ def same_as_plain(kind, seed, K, P, budget, sampler=GREEDY, verify="rejection", 
     return got == want
 
 
-KINDS = st.sampled_from(["other", "near", "self", "ngram"] + (["int4"] if DEVICE.type == "cpu" else []))  # int4: CPU only
+KINDS = st.sampled_from(["other", "near", "self", "ngram", "ngram+model"] + (["int4"] if DEVICE.type == "cpu" else []))  # int4: CPU only
 
 
 # --------------------------------------------------------------------------- greedy
@@ -350,6 +353,36 @@ def test_the_k_contract_catches_a_step_that_drafts_less_when_sampling(monkeypatc
     pairs = drafted_against_asked("near", 0)
     assert any(drafted != asked for drafted, asked in pairs)
     assert all(d == a for d, a in drafted_against_asked("near", 0, temperature=0.0))   # greedy: unseen
+
+
+def test_a_model_beside_the_ngrams_runs_only_where_the_text_has_no_match_and_catches_up():
+    # Why: beside the n-grams the model is run only where the text has no match; then it is fed
+    # every token it missed, so its law is the model's on the whole text, as a fresh forward's
+    target, draft = tiny_llama(0), tiny_llama(1)
+    pair = NgramPair(target, Ngram(2, otherwise=draft), capacity=32, scratch=4)
+    ids = lambda *t: torch.tensor([t])
+    pair.propose(ids(1, 2, 3), torch.arange(3))                        # no match: the model, fed 1 2 3
+    guess = pair.propose(ids(1, 2), torch.arange(3, 5))                # 1 2 came before: the text's 3
+    assert pair.forwards == 1 and GREEDY.probs(guess).argmax() == 3
+    a = pair.propose(ids(6), torch.arange(5, 6))                       # 2 6: the model again, fed 1 2 6
+    fresh = draft(ids(1, 2, 3, 1, 2, 6), torch.arange(6))[0, -1]
+    assert pair.forwards == 2 and torch.allclose(a, fresh, rtol=0, atol=1e-9)
+    pair.cache.length = 6                                              # as if the target had checked them
+    pair.rollback(4)                                                   # both caches forget slot 4 on
+    assert (pair.cache.length, pair.mcache.length, pair.text) == (4, 4, [1, 2, 3, 1])
+
+
+def test_a_model_beside_the_ngrams_fed_only_the_last_token_is_caught(monkeypatch):
+    # the broken variant: the model fed only the newest token after the n-grams' stretch
+    target, draft = tiny_llama(0), tiny_llama(1)
+    pair = NgramPair(target, Ngram(2, otherwise=draft), capacity=32, scratch=4)
+    ids = lambda *t: torch.tensor([t])
+    pair.propose(ids(1, 2, 3), torch.arange(3))
+    pair.propose(ids(1, 2), torch.arange(3, 5))
+    pair.mcache.length, pair.text = 3, pair.text[:3] + pair.text[4:]  # as if slot 3's token were never fed
+    a = pair.propose(ids(6), torch.arange(5, 6))
+    fresh = draft(ids(1, 2, 3, 1, 2, 6), torch.arange(6))[0, -1]
+    assert not torch.allclose(a, fresh, rtol=0, atol=1e-9)
 
 
 def test_an_ngram_draft_proposes_the_token_after_the_texts_latest_match_and_no_forward():

@@ -12,6 +12,8 @@ prompts ("chat"). Configs, on the default path compiled (`make run`'s), greedy:
     speculative                   the 0.5B drafting, the default policy (K per step, 0 = plain)
     speculative K=3               the textbook loop, K fixed
     speculative n-grams           the text's n-grams drafting (--draft ngram), the default policy
+    speculative n-grams+0.5B      the n-grams where the text repeats, the 0.5B elsewhere
+                                  (--draft ngram+PATH), the default policy
     lookahead                     the default policy (its copies; windows where rows are cheap)
     lookup                        prompt lookup, the default policy
     llama.cpp plain               llama-completion on the 1.5B's GGUF (--llama-cpp DIR)
@@ -48,7 +50,7 @@ from tools.llama_cpp import bounded_run, last_line, reference
 from tools.machine import describe, machine
 from tools.pair import DRAFT, PAIR, TARGET
 
-CONFIGS = ("speculative", "speculative K=3", "speculative n-grams", "lookahead", "lookup", "llama.cpp plain",
+CONFIGS = ("speculative", "speculative K=3", "speculative n-grams", "speculative n-grams+0.5B", "lookahead", "lookup", "llama.cpp plain",
            "llama.cpp speculative")
 ASK = "Complete the following Python function. Answer with the whole function in one code block.\n\n```python\n{}```"
 # llama-speculative's summary lines (examples/speculative): its decode rate counts the draft's time
@@ -153,6 +155,8 @@ def main(argv: list[str] | None = None) -> int:
             "speculative": lambda p: decode_once(model, p, ("speculative", draft, {"adaptive": True}), n, eos),
             "speculative K=3": lambda p: decode_once(model, p, ("speculative", draft, {"num_draft": 3}), n, eos),
             "speculative n-grams": lambda p: decode_once(model, p, ("speculative", Ngram(), {"adaptive": True}), n, eos),
+            "speculative n-grams+0.5B": lambda p: decode_once(model, p, ("speculative", Ngram(otherwise=draft),
+                                                                         {"adaptive": True}), n, eos),
             "lookahead": lambda p: decode_once(model, p, ("lookahead", None, {"adaptive": True}), n, eos),
             "lookup": lambda p: decode_once(model, p, ("lookup", None, {"adaptive": True}), n, eos),
         }

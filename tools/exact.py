@@ -70,6 +70,12 @@ def runs(model=None, family=None) -> list[Run]:
             lambda m: {"policy": POLICIES["speculative"].build(m, family, prices(m, family), {})}, ("greedy",)),
         Run("speculative family draft policy coupled", sp.decode, (family,),
             lambda m: {"verify": "coupled", "policy": POLICIES["speculative"].build(m, family, prices(m, family), {})}),
+        Run("speculative n-grams else family draft policy", sp.decode, (Ngram(otherwise=family),),
+            lambda m: {"policy": POLICIES["speculative"].build(m, Ngram(otherwise=family), prices(m, family), {})},
+            ("greedy",)),
+        Run("speculative n-grams else family draft policy coupled", sp.decode, (Ngram(otherwise=family),),
+            lambda m: {"verify": "coupled",
+                       "policy": POLICIES["speculative"].build(m, Ngram(otherwise=family), prices(m, family), {})}),
         Run("contrastive beta=0 K3 family amateur", cd.decode, (family,),
             lambda m: {"beta": 0.0, "speculative": True, "num_draft": 3}, ("greedy",)),
     ]

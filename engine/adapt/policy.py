@@ -331,10 +331,16 @@ def costs(target: Llama, draft: Draft,
 
     The prior: a self-draft 1/2; a copy of the target in fewer bits COPY_PRIOR; another model (a smaller
     one of the target's family, sharing its tokenizer: the doors check that) FAMILY_PRIOR; the
-    text's n-grams NGRAM_PRIOR, where they have a token to propose. Unmeasured, another model's
+    text's n-grams NGRAM_PRIOR, where they have a token to propose; the n-grams with a model
+    otherwise, the mix of the two at NGRAM_HITS. Unmeasured, another model's
     draft token costs its share of the weights a one-row forward reads (its layers and head).
     """
     rows = row_cost(target, prices.table)
+    if isinstance(draft, Ngram) and draft.otherwise is not None:
+        # the text's guess at NGRAM_HITS of the positions (free, NGRAM_PRIOR), the model's
+        # elsewhere (its price and prior): each a share of one draft token
+        c, verify, prior = costs(target, draft.otherwise, prices)
+        return (1 - NGRAM_HITS) * c, verify, NGRAM_HITS * NGRAM_PRIOR + (1 - NGRAM_HITS) * prior
     if isinstance(draft, Ngram):           # no forward: a draft token costs its verify row alone
         return 0.0, lambda k: rows(k + 1), NGRAM_PRIOR
     if isinstance(draft, EarlyExit):       # layers < L: 1 row per draft; the rest on K+1 rows
@@ -374,7 +380,7 @@ def pays(target: Llama, draft: Draft, prices: Prices = Prices()) -> float:
         (h E(K) + 1 - h) / (h c_verify(K) + 1 - h),   E(K) = sum_{i<=K} alpha^i"""
     c_draft, c_verify, prior = costs(target, draft, prices)
     k = best_k(prior, c_draft, c_verify, 16)
-    if not isinstance(draft, Ngram):
+    if not isinstance(draft, Ngram) or draft.otherwise is not None:   # a model drafts at every position
         return rate(prior, k, c_draft, c_verify)
     h, tokens = NGRAM_HITS, sum(prior ** i for i in range(k + 1))
     return (h * tokens + 1 - h) / (h * (c_verify(k) if k else 1.0) + 1 - h)

@@ -101,7 +101,7 @@ class Engine:
         built = self.built or {}
         why = None if built and not built["int4"] and torch.device(built["device"]).type == "cpu" else \
             "int4 drafts for an fp32 target on the CPU loaded by Engine.load (a 4-bit target is its own copy)"
-        if isinstance(second, str) and self.built is None and not second.startswith(("layers:", "ngram")):
+        if isinstance(second, str) and self.built is None and (not second.startswith(("layers:", "ngram")) or "+" in second):
             raise ValueError(f"second={second!r} loads beside an engine made by Engine.load")
         copy = {**built, "int4": True, "batch_invariant": bool(built.get("batch_invariant"))}
         return second_for(second, flag, self.checkpoint or Path("."),
@@ -157,7 +157,7 @@ class Engine:
         the top-2 logit gap there (engine/doors/receipt.py's `reference`, as the CLI's)."""
         got = list(self.tokens(prompt, **kw))
         same = {k: kw[k] for k in ("temperature", "top_k", "top_p") if k in kw}
-        decoder, second = kw.get("decoder", "plain"), kw.get("second")
+        decoder = kw.get("decoder", "plain")
         extra = self.picked   # the second model the call ran with (--draft auto's pick)
         knobs = {k: v for k, v in kw.items() if k in DECODERS[decoder].names}
         ref = reference(decoder, self.model, extra, self.ids(prompt), knobs, Sampler(**same), kw.get("seed", 0), len(got))

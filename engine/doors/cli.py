@@ -30,7 +30,6 @@ from engine.doors.receipt import line as receipt_line, receipt, reference
 from engine.doors.session import (Auto, cache_note, check_context, compile_second, encode, pick, prices, prices_move_tokens,
                                   others_running, second_for, share_cores, slot, wire)
 from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
-from engine.load.weights import second_checkpoint
 from engine.draft import EarlyExit, Ngram
 from engine.fast.machine import resident_bytes
 from engine.fast.aot import compile_step
@@ -199,7 +198,8 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     _, second, p = pick(model, second, lambda d: prices(model, d, args.cost_table, args.draft_cost,
                                                                   notes.append, live, now))
     args.measure_after = not now and args.cost_table is None and (
-        p.table is None or (p.draft is None and args.draft_cost is None and second and isinstance(second[0], torch.nn.Module)))
+        p.table is None or (p.draft is None and args.draft_cost is None and second
+                            and isinstance(getattr(second[0], "otherwise", None) or second[0], torch.nn.Module)))
     # which table the choices read: the run's --json and --trace say (a kept table is for good)
     args.priced_by = ("--cost-table" if args.cost_table is not None else
                       str(kept_path(table_key(model))) if p.table is not None else
@@ -247,10 +247,12 @@ def check_flags(args) -> None:
         L = (spec or "").removeprefix("layers:")
         if flag != "checkpoint" and L != spec and not (L.isascii() and L.isdigit()):
             raise ValueError(f"--{flag} {spec!r}: expected layers:L with L an integer")
-        n = (spec or "").removeprefix("ngram").removeprefix(":")
-        if flag != "checkpoint" and (spec or "").startswith("ngram") and (
-                spec not in ("ngram", f"ngram:{n}") or n and not (n.isascii() and n.isdigit() and 1 <= int(n) <= 64)):
-            raise ValueError(f"--{flag} {spec!r}: expected ngram or ngram:n with n an integer in [1, 64]")
+        text = (spec or "").split("+", 1)[0]   # ngram[:n]+MODEL: the n-grams, else a draft model
+        n = text.removeprefix("ngram").removeprefix(":")
+        if flag != "checkpoint" and text.startswith("ngram") and (
+                text not in ("ngram", f"ngram:{n}") or n and not (n.isascii() and n.isdigit() and 1 <= int(n) <= 64)):
+            raise ValueError(f"--{flag} {spec!r}: expected ngram or ngram:n with n an integer in [1, 64]"
+                             " (then, if wanted, +MODEL: a draft model where the text has no match)")
         if flag == "amateur" and (spec or "").startswith("ngram"):
             raise ValueError(f"--amateur {spec!r}: the amateur is a model (a checkpoint or layers:L); "
                              "n-grams draft for speculative only")
@@ -412,6 +414,9 @@ def second_model(args, second: tuple) -> dict:
         return {}
     flag = DECODERS[args.decoder].second.flag
     m, spec = second[0], getattr(args, flag)
+    if isinstance(m, Ngram) and m.otherwise is not None:   # the text, else a draft model
+        name = getattr(args, "auto_names", {}).get(id(m)) or spec
+        return {flag: name, f"{flag}_mb": round(resident_bytes(m.otherwise) / 2**20, 1)}
     if isinstance(m, Ngram):                 # the text itself: no weights
         return {flag: f"ngram:{m.n}", f"{flag}_mb": 0.0}
     if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
@@ -505,7 +510,7 @@ def stats_line(r: dict) -> str:
         if m in r:
             mb = f", +{r[m + '_mb']:.0f} MB" if r[m + "_mb"] else ""
             draft = f" | {r['draft_forwards']} draft forwards ({'amateur ' * (m == 'amateur')}{r[m]}{mb})"
-            if r[m].startswith("ngram"):   # the text drafts: no model, no forwards
+            if r[m].startswith("ngram") and "+" not in r[m]:   # the text drafts: no model, no forwards
                 draft = f" | draft {r[m]} (the text's own n-grams, no forwards)"
     acc = "" if r["acceptance"] is None else (
         f" | acceptance {r['acceptance']:.2f} ({r['accepted']}/{r['drafted']})"

@@ -42,6 +42,8 @@ def prices(model: Llama, second=None, table: dict | None = None, draft: float | 
     the same. not measure_now: what is kept, and fixed constants for what is not (a run whose
     tokens no price can move answers first; `prices` again after it keeps them for the next)."""
     table = calibrated(model, notify=notify, live=live, measure_now=measure_now) if table is None else table
+    if isinstance(second, Ngram) and second.otherwise is not None:   # the text, else a model: its price
+        second = second.otherwise
     if draft is None and isinstance(second, Llama):   # a draft model, a 4-bit copy or another
         draft = draft_price(model, second, notify=notify, live=live, measure_now=measure_now)
     return Prices(table, draft)
@@ -64,8 +66,10 @@ class Auto(NamedTuple):
 def second_for(spec, flag: str, target: Path, load: Callable[[Path, bool], Llama], copy_why: str | None) -> tuple:
     """A second-model spec as both doors take it (--draft/--amateur; the API's second=) ->
     decode()'s second model: a Llama, EarlyExit or Ngram as it is; an int or "layers:L" the
-    target's first L layers; "ngram[:n]" the text's n-grams; "int4" the target's weights in 4
-    bits; "auto" (a draft) Auto(the drafts above that can be built); else a checkpoint
+    target's first L layers; "ngram[:n]" the text's n-grams; "ngram[:n]+MODEL" (a draft) the
+    n-grams where the text repeats, else MODEL ("int4" or a checkpoint); "int4" the target's
+    weights in 4 bits; "auto" (a draft) Auto(the drafts above that can be built, a family
+    draft also beside the n-grams); else a checkpoint
     directory, which must share the target's tokenizer. load(checkpoint, four_bit) loads on
     the target's path (four_bit: the 4-bit copy); copy_why: why no 4-bit copy can be built
     here, or None."""
@@ -73,6 +77,12 @@ def second_for(spec, flag: str, target: Path, load: Callable[[Path, bool], Llama
         return (spec,)
     if isinstance(spec, int) or spec.startswith("layers:"):
         return (EarlyExit(spec if isinstance(spec, int) else int(spec.split(":", 1)[1])),)
+    if spec.startswith("ngram") and "+" in spec and flag == "draft":   # the text where it repeats, else a model
+        text, model = spec.split("+", 1)
+        ngram, (draft,) = second_for(text, flag, target, load, copy_why)[0], second_for(model, flag, target, load, copy_why)
+        if not isinstance(draft, Llama):
+            raise ValueError(f"--draft {spec!r}: after 'ngram+' comes a draft model (a checkpoint or int4), got {model!r}")
+        return (Ngram(ngram.n, ngram.least, draft),)
     if spec == "ngram" or spec.startswith("ngram:"):
         return (Ngram(int(spec.split(":", 1)[1])) if ":" in spec else Ngram(),)
     if spec == "int4" and flag == "draft":
@@ -82,6 +92,7 @@ def second_for(spec, flag: str, target: Path, load: Callable[[Path, bool], Llama
     if spec != "auto" or flag != "draft":
         return (second_checkpoint(target, spec, lambda c: load(c, False)),)
     drafts = [(str(d), second_checkpoint(target, d, lambda c: load(c, False))) for d in family(target)]
+    drafts += [(f"ngram:3+{name}", Ngram(otherwise=d)) for name, d in drafts]
     if copy_why is None:
         try:
             drafts.append(("int4", load(target, True)))
@@ -129,6 +140,9 @@ def compile_second(model: Llama, second, notify: Callable[[str], None]):
         return second
     if isinstance(second, Auto):
         return Auto(tuple((name, compile_second(model, d, notify)) for name, d in second.drafts))
+    if isinstance(second, Ngram) and second.otherwise is not None:
+        compile_second(model, second.otherwise, notify)   # compiled in place: the text needs nothing
+        return second
     if isinstance(second, EarlyExit) and (0, second.layers) not in stack.runners:
         compile_step(model, notify, splits=[second.layers])
     elif isinstance(second, Llama) and compiled(second) is None:

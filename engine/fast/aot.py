@@ -210,13 +210,26 @@ def compile_step(model: Llama, notify: Callable[[str], None], folder=None, split
             warnings.simplefilter("ignore")   # export's deprecation chatter: the notice says what matters
             check(model)
             ident = key(model)
-            runners |= {r: load(model, *r, ident, folder, notify) for r in dict.fromkeys(ranges) if r not in runners}
+            runners |= {r: shares_weights(load(model, *r, ident, folder, notify), model, *r)
+                        for r in dict.fromkeys(ranges) if r not in runners}
     except Exception as e:  # noqa: BLE001 -- no compiler, a failed build, a bad artifact
         notify(f"compile: {type(e).__name__}: {first_line(e)}; running eager")
         return model
     # an instance attribute: Llama.forward's self.blocks(...) finds it before the method
     model.blocks = Compiled(model, runners, notify)
     return model
+
+
+def shares_weights(runner: Runner, model: Llama, start: int, stop: int) -> Runner:
+    """`runner` reading `model`'s own layer weights, not the copy its package holds (the same
+    values: the package's key holds their hash, so the bits do not change).
+    subtle: on a Zen 5 EPYC the 1.5B's 4-bit matmuls took 2.4x as long on the package's copy as
+    on the model's tensors, the same kernel on the same shapes (a compiled step 58 ms, eager
+    32 ms; reading the model's weights, 29 ms); the copy's memory, not the code, was slow."""
+    named = Stack(model, start, stop).state_dict()
+    mine = {k: named[k].detach() for k in runner.loader.get_constant_fqns() if k in named}
+    runner.loader.load_constants(mine, False, False, True)   # active buffer, partial, user-managed
+    return runner
 
 
 def check(model: Llama) -> None:

@@ -143,7 +143,9 @@ class Compiled:
 
     def __init__(self, model: Llama, runners: dict[tuple[int, int], Callable], notify: Callable[[str], None]):
         self.model, self.runners, self.notify = model, runners, notify   # (start, stop) -> runner
-        self.version = VERSION
+        # in every kept price's key (artifacts.model_key): prices taken while the step read its
+        # package's copy of the weights (2.4x slower there, shares_weights) are not this step's
+        self.version = f"{VERSION}, own weights"
         self.eager = 0     # forwards after a prompt that ran eager and reach the head
         self.chains: dict[int, tuple[Tensor, Tensor]] = {}   # T -> its rows' keys (chain)
 
@@ -387,7 +389,7 @@ def key(model: Llama) -> str:
     for name, t in model.layers.state_dict().items():
         h.update(name.encode())
         h.update(t.detach().contiguous().view(-1).view(torch.uint8).numpy().tobytes())
-    eager = model_key(model).removesuffix(f"|compiled {VERSION}")   # the same whether compiled before or not
+    eager = model_key(model).split("|compiled ", 1)[0]   # the same whether compiled before or not
     return f"{VERSION}|{KEY_BLOCK}|{OPTIONS}|{GRAPH_ROWS}|{GRAPH_SLOTS}|{eager}|{h.hexdigest()}"
 
 

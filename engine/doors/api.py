@@ -11,7 +11,8 @@
 name, its knobs as keywords, `second=` a Llama (`llm.second(path)`: a draft or amateur of the
 same family, loaded as the CLI's --draft PATH), an early exit (EarlyExit(L), or just L), for
 speculative the text's n-grams (Ngram(n)), or any spec the CLI's --draft and --amateur take
-("auto", "int4", "ngram:3", "layers:8", a checkpoint path: engine/doors/session.py's second_for),
+("auto", "int4", "ngram:3", "ngram:3+PATH", "layers:8", a checkpoint path:
+engine/doors/session.py's second_for),
 `adaptive` as --adaptive, priced as the CLI prices. A str prompt is chat-templated as there; a
 list of ids is sent as it is. A bad argument is a ValueError when the call is made, before
 any token, as the CLI's `error:` lines are.

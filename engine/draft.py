@@ -145,17 +145,16 @@ class NgramPair:
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor | None:
         self.text += tokens[0].tolist()
         guess, m, _ = find(self.text, self.n, 1)
-        if m < self.least and self.model is None:
+        device = self.target.tok_embeddings.weight.device
+        if m >= self.least:   # a one-hot law under every sampler: probs() of these logits is 1 at the guess
+            return torch.full((self.target.config.vocab_size,), float("-inf"), device=device).index_fill_(
+                0, torch.tensor(guess, device=device), 0.0)                       # (V,)
+        if self.model is None:
             return None                                   # no match long enough: nothing to propose
-        if m < self.least:                                # the model proposes: fed what it lacks
-            seen, w = self.mcache.length, self.target.tok_embeddings.weight
-            self.forwards += 1
-            return self.model(torch.tensor([self.text[seen:]], device=w.device),
-                              torch.arange(seen, len(self.text), device=w.device), self.mcache, keep=[-1])[0, -1]  # (V,)
-        w = self.target.tok_embeddings.weight
-        # a one-hot law under every sampler: probs() of these logits is 1 at the guess
-        return torch.full((self.target.config.vocab_size,), float("-inf"), device=w.device).index_fill_(
-            0, torch.tensor(guess, device=w.device), 0.0)                       # (V,)
+        seen = self.mcache.length                         # the model proposes, fed what it lacks
+        self.forwards += 1
+        return self.model(torch.tensor([self.text[seen:]], device=device),
+                          torch.arange(seen, len(self.text), device=device), self.mcache, keep=[-1])[0, -1]  # (V,)
 
     def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
         return self.target(tokens, positions, self.cache, keep=torch.arange(-rows, 0))[0]   # (rows, V)
@@ -189,6 +188,14 @@ def upper(model: Llama, x: Tensor, positions: Tensor, cache: KVCache, start: int
 
 
 Draft = Llama | EarlyExit | Ngram
+
+
+def model_of(draft) -> Llama | None:
+    """The weights a draft runs apart from the target's: a draft model itself, the model beside
+    the n-grams; None for the n-grams alone and an early exit (the target's own layers)."""
+    if isinstance(draft, Ngram):
+        return draft.otherwise
+    return draft if isinstance(draft, torch.nn.Module) else None
 Pair = SeparatePair | EarlyExitPair | NgramPair
 
 

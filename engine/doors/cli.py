@@ -30,7 +30,7 @@ from engine.doors.receipt import line as receipt_line, receipt, reference
 from engine.doors.session import (Auto, cache_note, check_context, compile_second, encode, pick, prices, prices_move_tokens,
                                   others_running, second_for, share_cores, slot, wire)
 from engine.fast.paths import build, check_compile, check_device, default_path, on_exact_path, path_name
-from engine.draft import EarlyExit, Ngram
+from engine.draft import EarlyExit, Ngram, model_of
 from engine.fast.machine import resident_bytes
 from engine.fast.aot import compile_step
 from engine.generate import Stats, cut, generate
@@ -198,8 +198,7 @@ def price_policy(args, model, second: tuple, notes: list) -> tuple[tuple, Prices
     _, second, p = pick(model, second, lambda d: prices(model, d, args.cost_table, args.draft_cost,
                                                                   notes.append, live, now))
     args.measure_after = not now and args.cost_table is None and (
-        p.table is None or (p.draft is None and args.draft_cost is None and second
-                            and isinstance(getattr(second[0], "otherwise", None) or second[0], torch.nn.Module)))
+        p.table is None or (p.draft is None and args.draft_cost is None and second and model_of(second[0]) is not None))
     # which table the choices read: the run's --json and --trace say (a kept table is for good)
     args.priced_by = ("--cost-table" if args.cost_table is not None else
                       str(kept_path(table_key(model))) if p.table is not None else
@@ -414,15 +413,11 @@ def second_model(args, second: tuple) -> dict:
         return {}
     flag = DECODERS[args.decoder].second.flag
     m, spec = second[0], getattr(args, flag)
-    if isinstance(m, Ngram) and m.otherwise is not None:   # the text, else a draft model
-        name = getattr(args, "auto_names", {}).get(id(m)) or spec
-        return {flag: name, f"{flag}_mb": round(resident_bytes(m.otherwise) / 2**20, 1)}
-    if isinstance(m, Ngram):                 # the text itself: no weights
-        return {flag: f"ngram:{m.n}", f"{flag}_mb": 0.0}
-    if not isinstance(m, torch.nn.Module):   # an early exit shares the target's weights
-        return {flag: f"layers:{m.layers}", f"{flag}_mb": 0.0}
+    weights = model_of(m)                    # none: the text itself, or the target's own layers
+    if weights is None:
+        return {flag: f"ngram:{m.n}" if isinstance(m, Ngram) else f"layers:{m.layers}", f"{flag}_mb": 0.0}
     name = getattr(args, "auto_names", {}).get(id(m)) or spec
-    return {flag: name, f"{flag}_mb": round(resident_bytes(m) / 2**20, 1)}
+    return {flag: name, f"{flag}_mb": round(resident_bytes(weights) / 2**20, 1)}
 
 
 def before_stop(text: str, stops: list[str], final: bool = True) -> str:

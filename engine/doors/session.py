@@ -21,7 +21,7 @@ import torch
 from engine.adapt.cost import calibrated, draft_price
 from engine.adapt.policy import Prices, adaptive as policy_for, pays
 from engine.decoders import DECODERS
-from engine.draft import Draft, EarlyExit, Ngram
+from engine.draft import Draft, EarlyExit, Ngram, model_of
 from engine.fast.aot import check as compilable, compile_step, compiled
 from engine.fast.artifacts import cache_home, unwritable
 from engine.generate import Step
@@ -42,8 +42,7 @@ def prices(model: Llama, second=None, table: dict | None = None, draft: float | 
     the same. not measure_now: what is kept, and fixed constants for what is not (a run whose
     tokens no price can move answers first; `prices` again after it keeps them for the next)."""
     table = calibrated(model, notify=notify, live=live, measure_now=measure_now) if table is None else table
-    if isinstance(second, Ngram) and second.otherwise is not None:   # the text, else a model: its price
-        second = second.otherwise
+    second = model_of(second)                        # beside the n-grams too: the model's price
     if draft is None and isinstance(second, Llama):   # a draft model, a 4-bit copy or another
         draft = draft_price(model, second, notify=notify, live=live, measure_now=measure_now)
     return Prices(table, draft)

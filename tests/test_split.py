@@ -49,4 +49,7 @@ def test_a_k_row_split_leaves_the_cache_as_it_found_it_and_times_every_kind():
     model = prepack(tiny_llama(0, vocab=64).float())
     r = row_split(model, 4, context=8, repeats=2)
     assert set(r) == {"forward", *ROW_COLUMNS} and all(r[k] > 0 for k in ROW_COLUMNS[:-2])
-    assert r["rest"] == pytest.approx(max(r["forward"] - sum(r[k] for k in ROW_COLUMNS[:-1]), 0), abs=2e-3)
+    # each figure is rounded to 3 decimals: the sum of the forward and the kinds is off by half a
+    # unit a figure at most (2e-3 was too tight: 0.231 against 0.229 failed a clean CI run)
+    rounding = 5e-4 * (len(ROW_COLUMNS) + 1)
+    assert r["rest"] == pytest.approx(max(r["forward"] - sum(r[k] for k in ROW_COLUMNS[:-1]), 0), abs=rounding)

@@ -35,6 +35,7 @@ import math
 from contextlib import nullcontext
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
@@ -126,12 +127,23 @@ def frequencies(head_dim: int, theta: float, scaling: RopeScaling | None, work: 
 
 def rope(positions: Tensor, head_dim: int, theta: float, dtype: torch.dtype,
          scaling: RopeScaling | None = None) -> tuple[Tensor, Tensor]:
-    """cos, sin (T, D) for the given positions; angle_i(p) = p * f_i (see frequencies)."""
+    """cos, sin (T, D) for the given positions; angle_i(p) = p * f_i (see frequencies), in the
+    work dtype as HF rounds it; on a CPU, cos and sin of those angles in float64, rounded once."""
     work = torch.promote_types(dtype, torch.float32)  # fp32 tables for fp16/bf16 models
     inv_freq = frequencies(head_dim, theta, scaling, work, positions.device)   # (D/2,)
     angles = positions.to(work)[:, None] * inv_freq[None, :]          # (T, D/2)
     angles = torch.cat([angles, angles], dim=-1)                      # (T, D) half-split layout
-    return angles.cos().to(dtype), angles.sin().to(dtype)
+    if angles.device.type != "cpu":
+        return angles.cos().to(dtype), angles.sin().to(dtype)
+    # subtle: not torch's cos. On an Intel Xeon VM, torch's fp32 cos of this very table came out
+    # ~2^-14 off (cos 1 = 0.5403335) in ~3% of processes, on one thread, for the whole process,
+    # while sin and cos of other inputs stayed right: the prompt's q and k, and so its tokens,
+    # then differed between two runs of one command (docs/exact-paths.md). NumPy's float64 cos
+    # keeps no such state; rounded once to the work dtype it is the correctly rounded value
+    # (torch's fp32 cos, when right, is within 1 ulp of it: tests/test_variants.py)
+    a = angles.double().numpy()                                       # (T, D) float64
+    return (torch.from_numpy(np.cos(a)).to(work).to(dtype),
+            torch.from_numpy(np.sin(a)).to(work).to(dtype))
 
 
 def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:

@@ -4,6 +4,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import torch.nn.functional as F
@@ -133,6 +134,23 @@ def test_rope_is_a_rotation_by_position_times_frequency():
     angle = torch.tensor(p * 10000.0 ** (-2 * 1 / D), dtype=torch.float64)
     assert torch.isclose(y[..., 1], angle.cos()) and torch.isclose(y[..., 1 + D // 2], angle.sin())
 
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rope_rows_are_the_correctly_rounded_tables_however_many_share_a_call(dtype):
+    # Why: a verify forward of k rows and plain's one-row step must rotate a position alike,
+    # and two processes must agree; torch's fp32 cos split a 42-row table between threads and
+    # came out ~2^-14 off on one thread's rows in some processes (docs/exact-paths.md)
+    T, D, theta = 300, 64, 100000.0                     # 300 x 64 entries: past torch's 2,048 split
+    cos, sin = rope(torch.arange(T), D, theta, dtype)
+    for p in (0, 1, 41, 150, T - 1):
+        c, s = rope(torch.tensor([p]), D, theta, dtype)
+        assert torch.equal(c[0], cos[p]) and torch.equal(s[0], sin[p])
+    f = 1.0 / theta ** (torch.arange(0, D, 2).float() / D)                  # fp32, as frequencies()
+    angles = (torch.arange(T).float()[:, None] * f[None, :]).double()       # fp32 angles, exact in fp64
+    angles = torch.cat([angles, angles], -1)
+    assert torch.equal(cos, torch.from_numpy(np.cos(angles.numpy())).float().to(dtype))
+    assert torch.equal(sin, torch.from_numpy(np.sin(angles.numpy())).float().to(dtype))
 
 def test_config_from_hf_reads_the_fields():
     cfg = config_from_hf({"hidden_size": 576, "num_hidden_layers": 30, "num_attention_heads": 9,

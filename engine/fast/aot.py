@@ -58,8 +58,11 @@ OPTIONS = {"emulate_precision_casts": True,   # bf16 rounded after every op, as 
            # then the cached and the new keys' scores are one and the same reduction (see below)
            "realize_reads_threshold": 3,
            # indices are clamped by construction; a bounds check on each key's load cost ~40%
-           "assert_indirect_indexing": False}
-VERSION = "aot 3"   # of the graph: in every key, so a new one is built and priced anew
+           "assert_indirect_indexing": False,
+           # no weights in the library: the step reads the model's own (shares_weights); a copy
+           # loaded beside them doubled a compiled 1.5B's memory (3.0 GB resident, 1.5 GB eager)
+           "aot_inductor.package_constants_in_so": False}
+VERSION = "aot 4"   # of the graph: in every key, so a new one is built and priced anew
 KEY_BLOCK = 64   # a row's keys are summed in whole blocks of this many (masked places weigh 0)
 
 
@@ -223,15 +226,34 @@ def compile_step(model: Llama, notify: Callable[[str], None], folder=None, split
 
 
 def shares_weights(runner: Runner, model: Llama, start: int, stop: int) -> Runner:
-    """`runner` reading `model`'s own layer weights, not the copy its package holds (the same
-    values: the package's key holds their hash, so the bits do not change).
-    subtle: on a Zen 5 EPYC the 1.5B's 4-bit matmuls took 2.4x as long on the package's copy as
-    on the model's tensors, the same kernel on the same shapes (a compiled step 58 ms, eager
-    32 ms; reading the model's weights, 29 ms); the copy's memory, not the code, was slow."""
-    named = Stack(model, start, stop).state_dict()
-    mine = {k: named[k].detach() for k in runner.loader.get_constant_fqns() if k in named}
-    runner.loader.load_constants(mine, False, False, True)   # active buffer, partial, user-managed
+    """`runner` reading `model`'s own layer weights: its package holds none (OPTIONS), only their
+    names, and the key holds their hash, so a step runs only on the weights it was built for.
+    subtle: two reasons not to keep a copy in the package. On a Zen 5 EPYC the 1.5B's 4-bit
+    matmuls took 2.4x as long on the package's copy as on the model's tensors, the same kernel
+    on the same shapes (a compiled step 58 ms, eager 32 ms; reading the model's weights, 29 ms):
+    the copy's memory, not the code, was slow. And loaded, the copy stayed resident beside the
+    model's (a compiled 1.5B: 3.0 GB against 1.5 GB eager)."""
+    stack = Stack(model, start, stop)
+    runner.give(constants(runner.loader.get_constant_fqns(), stack.state_dict(), groups(stack)))
     return runner
+
+
+def groups(stack: Stack) -> list[int]:
+    """Each 4-bit matmul's group size, in the stack's order."""
+    return [m.group for m in stack.modules() if isinstance(m, Int4Linear)]
+
+
+def constants(names: list[str], named: dict[str, Tensor], groups: list[int]) -> dict[str, Tensor]:
+    """What the graph reads, by the names it gives them: the stack's parameters and buffers, and
+    the scalars inductor made while lowering, one per 4-bit matmul: its group size as an int64
+    tensor (named `constantN`: the lowering of torch's 4-bit matmul adds it). A graph that names
+    anything else is refused: the step would read values no one gave it."""
+    made = [k for k in names if k not in named]
+    if len(made) != len(groups) or len(set(groups)) > 1:
+        raise ValueError(f"the step reads {len(made)} tensors the model does not name, "
+                         f"expected one group size for each of its {len(groups)} 4-bit matmuls")
+    group = {k: torch.tensor(groups[0], dtype=torch.int64) for k in made}
+    return {k: group[k] if k in group else named[k].detach() for k in names}
 
 
 def check(model: Llama) -> None:
@@ -289,6 +311,12 @@ class Runner:
 
     def __call__(self, *tensors: Tensor) -> list[Tensor]:
         return self.loader.boxed_run(list(tensors))     # Stack's inputs and outputs, flat, in order
+
+    def give(self, constants: dict[str, Tensor]) -> None:
+        """The graph's weights, read in place (user-managed: never copied, so held here as long as
+        the runner lives); all of them, or an error."""
+        self.constants = constants
+        self.loader.load_constants(constants, False, True, True)   # active buffer, full, user-managed
 
     def get_metadata(self) -> dict[str, str]:
         return self.loader.get_metadata()
@@ -350,7 +378,8 @@ def build_package(model: Llama, start: int, stop: int, path, k: str,
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp), inductor_configs={**OPTIONS, "aot_inductor.metadata": {"engine_key": k}})
         stage("trial load")
-        trial(tmp, args)
+        stack = Stack(model, start, stop)
+        trial(tmp, args, stack.state_dict(), groups(stack))
         os.replace(tmp, path)
     finally:
         for b, kernel in zip(model.layers, before):
@@ -358,16 +387,24 @@ def build_package(model: Llama, start: int, stop: int, path, k: str,
         tmp.unlink(missing_ok=True)
 
 
-# a fresh process, as a later run's: load the step, run it once on the sample
-TRIAL = ("import sys, torch; from engine.fast.aot import Runner; "
-         "Runner(sys.argv[1])(*torch.load(sys.argv[2]))")
+# a fresh process, as a later run's: load the step, run it once on the sample (trial_run)
+TRIAL = "import sys; from engine.fast.aot import trial_run; trial_run(*sys.argv[1:])"
 
 
-def trial(path: Path, args: tuple) -> None:
-    """Load the step at `path` and run it on `args` in a child process; raise if the child fails,
-    so a step that crashes (a signal, not an exception) is never kept, nor loaded here."""
+def trial_run(path: str, sample: str) -> None:
+    """The trial's child: the step at `path` run on the sample's inputs, with zeros for weights."""
+    runner, (args, shapes, sizes) = Runner(Path(path)), torch.load(sample)
+    zeros = {k: torch.zeros(t.shape, dtype=t.dtype) for k, t in shapes.items()}
+    runner.give(constants(runner.loader.get_constant_fqns(), zeros, sizes))
+    runner(*args)
+
+
+def trial(path: Path, args: tuple, named: dict[str, Tensor], sizes: list[int]) -> None:
+    """Load the step at `path` and run it on `args` (weights: zeros of `named`'s shapes, the group
+    `sizes`) in a child process; raise if the child fails, so a step that crashes (a signal, not an
+    exception) is never kept, nor loaded here."""
     sample = path.with_suffix(".args")
-    torch.save(args, sample)
+    torch.save((args, {k: t.to("meta") for k, t in named.items()}, sizes), sample)   # shapes, not a GB of weights
     root = str(Path(__file__).resolve().parents[2])              # where `engine` imports from
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     try:
@@ -384,7 +421,7 @@ def trial(path: Path, args: tuple) -> None:
 
 def key(model: Llama) -> str:
     """What the compiled code depends on (engine.fast.artifacts.model_key: machine, torch, dtype, kernels,
-    shapes) and the weights it holds (a hash of the layers' tensors)."""
+    shapes) and the weights it runs on (a hash of the layers' tensors)."""
     h = hashlib.sha256()
     for name, t in model.layers.state_dict().items():
         h.update(name.encode())

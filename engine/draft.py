@@ -11,6 +11,7 @@ computing only layers [L, n). Speculative decoding's draft may also be the text 
 
     pair = pair_for(target, draft, capacity, scratch) # draft: any Llama (fast.paths.build(ckpt, int4=True):
                                                       # the target's weights in 4 bits), EarlyExit(L), Ngram(n)
+    pair.prefill(prompt)                              # the draft reads the prompt (a list of ids)
     pair.propose(tokens, positions) -> (V,) | None    # the draft's logits after the last token
                                                       # (None: it has nothing to propose)
     pair.verify(tokens, positions, rows) -> (rows, V) # the target's logits at the last rows
@@ -78,6 +79,11 @@ class SeparatePair:
     target_seen = property(lambda self: self.tcache.length)   # slots the target has in cache
     draft_seen = property(lambda self: self.dcache.length)
 
+    def prefill(self, prompt: list[int]) -> None:
+        device = self.draft.tok_embeddings.weight.device
+        self.forwards += 1
+        self.draft(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), self.dcache, keep=[-1])
+
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
         self.forwards += 1
         return self.draft(tokens, positions, self.dcache, keep=[-1])[0, -1]           # (V,)
@@ -101,6 +107,9 @@ class EarlyExitPair:
 
     target_seen = property(lambda self: self.base)
     draft_seen = property(lambda self: self.cache.length)
+
+    def prefill(self, prompt: list[int]) -> None:
+        """Nothing: the target's prompt forward writes the one cache's every layer."""
 
     def _lower(self, tokens: Tensor, positions: Tensor) -> Tensor:
         x = lower(self.target, tokens, positions, self.cache, self.L)              # (1, T, C)
@@ -141,6 +150,10 @@ class NgramPair:
 
     target_seen = property(lambda self: self.cache.length)
     draft_seen = property(lambda self: len(self.text))
+
+    def prefill(self, prompt: list[int]) -> None:
+        """The text, no forward: a model `otherwise` reads it when it first must propose."""
+        self.text += prompt
 
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor | None:
         self.text += tokens[0].tolist()

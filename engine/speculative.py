@@ -44,7 +44,8 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
            policy=None, trace: bool = False) -> Iterator[Step]:
     """Speculative decoding; one Step per target forward (the first is plain's, on the prompt alone).
 
-        n = len(x); K = min(K, tokens left - 1), or 0 on the prompt's step (plain's prefill)
+        n = len(x); K = min(K, tokens left - 1), or 0 on the prompt's step (plain's prefill,
+                    and the draft reads the prompt too: prompt time, not decoding's)
         for i in 0..K-1: q_i = probs(draft(x_<n+i)); x_{n+i} ~ q_i   key ("draft" | "token", n+i)
                          (an n-gram draft with no match at n+i: K = i)
         p_0..p_K = probs(target(x_<n+K))                            one forward, K+1 rows
@@ -73,6 +74,8 @@ def decode(target: Llama, draft: Draft, prompt: list[int], *, sampler: Sampler,
             k = 0 if first else min(policy.k if policy else num_draft, max(end - n - 1, 0))
             why = getattr(policy, "why", "") if not first else ""   # the numbers behind K, for the trace
             ran = pair.forwards                                # the draft's forwards before this step
+            if first and end - n > 1:                          # a token left to draft for
+                pair.prefill(seq)
             # the drafts, their laws q (built only for the trace: a greedy verdict needs none), the
             # draft's logits a, and the target's K+1 rows
             drafts, q, a, logits = draft_then_verify(pair, seq, k, sampler, rng, stream, laws=trace)  # (K, V), (K+1, V)

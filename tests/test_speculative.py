@@ -281,15 +281,16 @@ def test_greedy_equality_catches_broken_variants(mutant, monkeypatch):
 @pytest.mark.parametrize("K", [1, 3])
 def test_draft_forwards_counts_the_drafts_forwards(K):
     # Why: the stats line's "draft forwards" is what a reader weighs a draft's cost by; it must
-    # count the draft model's forwards, one per drafted token, none on the prompt's step.
-    # Caught broken variant: a step reporting K + 1 draft forwards
+    # count the draft model's forwards, one per drafted token and one on the prompt's step (the
+    # draft reads the prompt there, as the target does). Caught broken variant: a step
+    # reporting K + 1 draft forwards
     target, draft = tiny_llama(0, vocab=16), tiny_llama(3, vocab=16, n_layers=1)
     calls = []
     draft.register_forward_hook(lambda *_: calls.append(1))
     stats = Stats()
     list(generate(decode(target, draft, [1, 2, 3, 1, 2], sampler=Sampler(), rng=Random(0), max_new_tokens=12,
                          num_draft=K), max_new_tokens=12, stats=stats))
-    assert stats.draft_forwards == len(calls) == stats.drafted > 0
+    assert stats.draft_forwards == len(calls) == stats.drafted + 1 > 1
 
 
 # --------------------------------------------------------------------------- the policy's K is the K drafted

@@ -80,9 +80,8 @@ class SeparatePair:
     draft_seen = property(lambda self: self.dcache.length)
 
     def prefill(self, prompt: list[int]) -> None:
-        device = self.draft.tok_embeddings.weight.device
         self.forwards += 1
-        self.draft(torch.tensor([prompt], device=device), torch.arange(len(prompt), device=device), self.dcache, keep=[-1])
+        feed(self.draft, self.dcache, prompt)
 
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor:
         self.forwards += 1
@@ -139,7 +138,8 @@ class EarlyExitPair:
 
 class NgramPair:
     """The text as the draft (Ngram): the target's cache, and the tokens the draft was fed; with
-    a model `otherwise`, its own cache, fed the text it has not seen only when it must propose."""
+    a model `otherwise`, its own cache: it reads the prompt, then the text it has not seen when
+    it must propose."""
 
     def __init__(self, target: Llama, ngram: Ngram, capacity: int, scratch: int):
         self.target, self.n, self.least, self.text = target, ngram.n, min(ngram.least, ngram.n), []
@@ -152,8 +152,11 @@ class NgramPair:
     draft_seen = property(lambda self: len(self.text))
 
     def prefill(self, prompt: list[int]) -> None:
-        """The text, no forward: a model `otherwise` reads it when it first must propose."""
+        """The text; and a model `otherwise` reads it now, as a draft model does (prompt time)."""
         self.text += prompt
+        if self.model is not None:
+            self.forwards += 1
+            feed(self.model, self.mcache, prompt)
 
     def propose(self, tokens: Tensor, positions: Tensor) -> Tensor | None:
         self.text += tokens[0].tolist()
@@ -164,10 +167,8 @@ class NgramPair:
                 0, torch.tensor(guess, device=device), 0.0)                       # (V,)
         if self.model is None:
             return None                                   # no match long enough: nothing to propose
-        seen = self.mcache.length                         # the model proposes, fed what it lacks
-        self.forwards += 1
-        return self.model(torch.tensor([self.text[seen:]], device=device),
-                          torch.arange(seen, len(self.text), device=device), self.mcache, keep=[-1])[0, -1]  # (V,)
+        self.forwards += 1                                # the model proposes, fed what it lacks
+        return feed(self.model, self.mcache, self.text[self.mcache.length:])                  # (V,)
 
     def verify(self, tokens: Tensor, positions: Tensor, rows: int) -> Tensor:
         return self.target(tokens, positions, self.cache, keep=torch.arange(-rows, 0))[0]   # (rows, V)
@@ -177,6 +178,13 @@ class NgramPair:
         del self.text[n:]                                 # a last draft never fed to it is not there
         if self.mcache is not None:
             self.mcache.truncate(min(n, self.mcache.length))
+
+
+def feed(model: Llama, cache: KVCache, tokens: list[int]) -> Tensor:
+    """`model`'s logits after `tokens` (V,), read in at the cache's end."""
+    device, n = model.tok_embeddings.weight.device, cache.length
+    return model(torch.tensor([tokens], device=device), torch.arange(n, n + len(tokens), device=device),
+                 cache, keep=[-1])[0, -1]
 
 
 def lower(model: Llama, tokens: Tensor, positions: Tensor, cache: KVCache, L: int) -> Tensor:

@@ -293,6 +293,29 @@ def test_draft_forwards_counts_the_drafts_forwards(K):
     assert stats.draft_forwards == len(calls) == stats.drafted + 1 > 1
 
 
+@pytest.mark.parametrize("beside_ngrams", [False, True])
+def test_a_draft_model_reads_the_prompt_on_the_prompts_step(beside_ngrams):
+    # Why: the prompt's step is prompt time (generate.Stats: prefill); a draft that reads the
+    # prompt there, as the target does (and as llama-speculative counts it), leaves decoding's
+    # rate to decoding. Each later draft forward reads at most the two tokens it lacks.
+    # Caught broken variant: the draft fed lazily, its first forward the prompt and a token,
+    # inside the first drafting step
+    target, draft = tiny_llama(0, vocab=16), tiny_llama(3, vocab=16, n_layers=1)
+    prompt, rows = [1, 2, 3, 4, 5, 6, 7], []
+    draft.register_forward_hook(lambda m, args, out: rows.append(args[0].shape[1]))
+    second = Ngram(otherwise=draft) if beside_ngrams else draft
+    after = []                                   # draft forwards so far, after each step
+
+    def watch(steps):
+        for step in steps:
+            after.append(len(rows))
+            yield step
+    list(generate(watch(decode(target, second, prompt, sampler=Sampler(), rng=Random(0), max_new_tokens=12,
+                               num_draft=3)), max_new_tokens=12))
+    assert after[0] == 1 and rows[0] == len(prompt)
+    assert len(rows) > 1 and max(rows[1:]) <= 2
+
+
 # --------------------------------------------------------------------------- the policy's K is the K drafted
 
 class Planned:

@@ -36,12 +36,14 @@ pair: | setup
 
 # The decoders on the pair against their plain and llama.cpp on the same GGUFs (tools/bench_pair.py,
 # bench-out/pair/); make llama-cpp first for llama.cpp's rows. Then pass@1 on HumanEval, greedy plain
-# against greedy contrastive (tools/humaneval.py; PROBLEMS=164 for all: hours on 2 cores).
+# against greedy contrastive (tools/humaneval.py; PROBLEMS=164 for all: hours on 2 cores; SKIP=N
+# starts after the first N, so the 164 can be measured in pieces).
 PROBLEMS ?= 40
+SKIP ?= 0
 bench-pair: pair
 	$(PY) -m tools.bench_pair $(if $(wildcard build/llama.cpp/cmake/bin/llama-speculative),--llama-cpp build/llama.cpp/cmake/bin)
 humaneval: pair
-	$(PY) -m tools.humaneval --problems $(PROBLEMS)
+	$(PY) -m tools.humaneval --problems $(PROBLEMS) --skip $(SKIP)
 
 # One generation on the default checkpoint with the default decoder, on the default path (the
 # exact 4-bit one on a CPU) with its step compiled: built once on this machine (minutes, said as

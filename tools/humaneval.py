@@ -1,7 +1,7 @@
 """Contrastive decoding's claim, measured: pass@1 on HumanEval, greedy plain against greedy
 contrastive decoding, Qwen2.5-Coder-1.5B the expert and the 0.5B the amateur (`make pair`).
 
-    python -m tools.humaneval [--problems 164] [--max-new-tokens 384] [--out bench-out/humaneval]
+    python -m tools.humaneval [--problems 164] [--skip 0] [--max-new-tokens 384] [--out bench-out/humaneval]
 
 O'Brien & Lewis (2023, arXiv 2309.09117) report that contrastive decoding (alpha 0.1, beta 0.5)
 raises greedy pass@1 on HumanEval. Each problem's prompt goes to the instruct model in its chat
@@ -17,7 +17,9 @@ one-row loops (tests/test_proofs.py and the exact sweeps), sooner.
 The sandbox: a child `python -I` in a scratch folder of its own, an empty environment, stdin
 closed, a wall-clock limit, a CPU-time limit and an address-space cap; where `unshare` can make a
 network namespace (root on Linux), none but loopback. Generated code is untrusted: run this on a
-machine you do not mind it touching. Progress on stderr; results in humaneval.md and .json.
+machine you do not mind it touching. Progress on stderr; results in humaneval.md and .json,
+written again after each problem (a run cut short keeps the problems it finished). --skip N
+starts after the first N problems, so a long measurement can go in pieces.
 """
 from __future__ import annotations
 
@@ -90,7 +92,8 @@ def passes(problem: dict, code: str) -> tuple[bool, str]:
 
 def main(argv: list[str] | None = None) -> int:
     p = Parser(prog="python -m tools.humaneval", description=first(__doc__))
-    p.add_argument("--problems", type=int, default=164, help="HumanEval problems, from the first")
+    p.add_argument("--problems", type=int, default=164, help="HumanEval problems, from the first after --skip")
+    p.add_argument("--skip", type=int, default=0, help="start after this many problems")
     p.add_argument("--max-new-tokens", type=int, default=384)
     p.add_argument("--alpha", type=float, default=0.1)
     p.add_argument("--beta", type=float, default=0.5)
@@ -99,9 +102,11 @@ def main(argv: list[str] | None = None) -> int:
     at_most(p, args, {"problems": 164, "max_new_tokens": 2048})
     if args.problems < 1 or args.max_new_tokens < 1:
         p.error("--problems and --max-new-tokens must be >= 1")
+    if not 0 <= args.skip <= 163:
+        p.error(f"--skip must be in [0, 163], got {args.skip}")
     try:
         out = out_dir(args.out)
-        problems = human_eval(args.problems)
+        problems = human_eval(args.skip + args.problems)[args.skip:]
         for ckpt in (TARGET, DRAFT):
             if not (ckpt / "config.json").is_file():
                 raise ValueError(f"{ckpt}: no checkpoint there (make pair)")
@@ -133,11 +138,21 @@ def main(argv: list[str] | None = None) -> int:
         print(f"[{i + 1}/{len(problems)}] {prob['task_id']}: plain {'pass' if row['plain']['passed'] else 'fail'}, "
               f"contrastive {'pass' if row['contrastive']['passed'] else 'fail'} | so far plain {score['plain']}, "
               f"contrastive {score['contrastive']} ({time.perf_counter() - t0:.0f} s)", file=sys.stderr, flush=True)
+        text = report(rows, args, argv, out)
+    print(text, end="")
+    return 0
+
+
+def report(rows: list[dict], args, argv, out: Path) -> str:
+    """humaneval.json and humaneval.md for the problems done so far; the markdown's text."""
+    runs = list(rows[0])[1:]
     result = {"machine": machine(), "command": "python -m tools.humaneval " + shlex.join(sys.argv[1:] if argv is None else argv),
-              "problems": len(rows), "alpha": args.alpha, "beta": args.beta, "max_new_tokens": args.max_new_tokens,
+              "problems": len(rows), "skip": args.skip, "alpha": args.alpha, "beta": args.beta,
+              "max_new_tokens": args.max_new_tokens,
               "pass@1": {n: sum(r[n]["passed"] for r in rows) / len(rows) for n in runs}, "rows": rows}
     text = (f"HumanEval pass@1, greedy, Qwen2.5-Coder-1.5B-Instruct (4-bit path, compiled), {len(rows)} problems "
-            f"(the first {len(rows)} of 164), up to {args.max_new_tokens} new tokens. Machine: {describe(result['machine'])}.\n\n"
+            f"({rows[0]['task_id']} to {rows[-1]['task_id']} of 164), up to {args.max_new_tokens} new tokens. "
+            f"Machine: {describe(result['machine'])}.\n\n"
             "| decoding | passed | pass@1 |\n|---|---|---|\n"
             + "".join(f"| {n}{' (amateur: the 0.5B, alpha %g, beta %g)' % (args.alpha, args.beta) if n == 'contrastive' else ''} "
                       f"| {sum(r[n]['passed'] for r in rows)} | {result['pass@1'][n]:.3f} |\n" for n in runs)
@@ -145,8 +160,7 @@ def main(argv: list[str] | None = None) -> int:
                                               for r in rows if r["plain"]["passed"] != r["contrastive"]["passed"]) + "\n")
     write_atomic(out / "humaneval.json", (json.dumps(result, indent=1) + "\n").encode())
     write_atomic(out / "humaneval.md", text.encode())
-    print(text, end="")
-    return 0
+    return text
 
 
 if __name__ == "__main__":

@@ -49,9 +49,10 @@ UNKNOWN_SLOPE = 0.10                    # elsewhere: steep, so guessing must ear
 # positions it has a guess, and the guess is the next token NGRAM_PRIOR of the time (its prior
 # alpha; chat 0.04 and 0.40, extraction 0.79 and 0.81)
 NGRAM_HITS, NGRAM_PRIOR = 0.36, 0.68
-# A smaller model of the target's family and tokenizer as the draft: its prior alpha, greedy
-# acceptance of Qwen2.5-Coder-0.5B's drafts by the 1.5B (4-bit path, K = 3): 0.89-0.90 on a code
-# prompt; a prior below the measure, as the bench's chat prompts accept less
+# A smaller model of the target's family and tokenizer as the draft: its prior alpha. Greedy
+# acceptance of Qwen2.5-Coder-0.5B's drafts by the 1.5B at the first position (4-bit path, the
+# pair's bench, docs/pair.md): 0.98 on the HumanEval prompts, 0.78 on the chat ones; the prior
+# sits at the lower, so a draft that turns out weak has cost few rows before alpha is measured
 FAMILY_PRIOR = 0.8
 # The target's own weights in 4 bits as the draft: its prior alpha. 4-bit SmolLM2-135M agrees with
 # fp32 on 99.4% of greedy tokens (docs/fidelity.md), and as the draft of the fp32 target it gave

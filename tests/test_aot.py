@@ -266,6 +266,21 @@ def test_a_kept_step_holds_no_copy_of_the_weights(fast, folder):
     assert len(kept) > 10_000 and not any(c in kept for c in codes)
 
 
+def test_the_step_is_given_each_weight_it_names_and_refuses_a_tensor_no_one_can_fill():
+    # Why: the package holds no weights, so whatever its graph reads must come from the model: its
+    # named tensors (the same storage, not copies) and one group size per 4-bit matmul (the
+    # scalar inductor's lowering adds); a graph that reads anything else (a constant folded at
+    # build time, say) must be refused, not run on a guess. Caught broken variant: every
+    # unnamed tensor filled with the group size
+    w, b = torch.randn(4, 2), torch.randn(4)
+    got = aot.constants(["l.w", "constant7", "l.b", "constant9"], {"l.w": w, "l.b": b}, [32, 32])
+    assert got["l.w"].data_ptr() == w.data_ptr() and got["l.b"].data_ptr() == b.data_ptr()
+    assert all(got[k].dtype == torch.int64 and got[k].item() == 32 for k in ("constant7", "constant9"))
+    for names, sizes in ((["l.w", "constant7", "constant8", "constant9"], [32, 32]), (["constant7", "constant8"], [32, 64])):
+        with pytest.raises(ValueError, match="does not name"):
+            aot.constants(names, {"l.w": w}, sizes)
+
+
 def path_for(model, folder):
     import hashlib
     return folder / f"step-{hashlib.sha256(f'0-3|{aot.key(model)}'.encode()).hexdigest()[:16]}.pt2"

@@ -748,6 +748,13 @@ def test_bench_budgets_are_bounded(tmp_path, capsys, argv):
     assert not (tmp_path / "out").exists()
 
 
+@pytest.mark.parametrize("argv", [["--skip", "-1"], ["--skip", "164"], ["--problems", "0"], ["--problems", "165"]])
+def test_humaneval_bounds_are_judged_before_any_model_loads(tmp_path, capsys, argv):
+    from tools.humaneval import main as humaneval
+    one_error_line(humaneval, argv + ["--out", str(tmp_path / "o")], capsys)
+    assert not (tmp_path / "o").exists()
+
+
 def test_quality_seeds_are_bounded(tmp_path, capsys):
     from tools.quality import main as quality
     one_error_line(quality, ["--seeds", "1000000000", "--out", str(tmp_path / "o")], capsys)

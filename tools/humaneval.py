@@ -17,9 +17,9 @@ one-row loops (tests/test_proofs.py and the exact sweeps), sooner.
 The sandbox: a child `python -I` in a scratch folder of its own, an empty environment, stdin
 closed, a wall-clock limit, a CPU-time limit and an address-space cap; where `unshare` can make a
 network namespace (root on Linux), none but loopback. Generated code is untrusted: run this on a
-machine you do not mind it touching. Progress on stderr; results in humaneval.md and .json,
-written again after each problem (a run cut short keeps the problems it finished). --skip N
-starts after the first N problems, so a long measurement can go in pieces.
+machine you do not mind it touching. Progress on stderr; results in humaneval.md and .json (each
+answer's text beside its verdict), written again after each problem (a run cut short keeps the
+problems it finished). --skip N starts after the first N, so the 164 can go in pieces.
 """
 from __future__ import annotations
 
@@ -131,8 +131,9 @@ def main(argv: list[str] | None = None) -> int:
                                              max_new_tokens=args.max_new_tokens, **knobs)
             ids = [x for x in generate(steps, max_new_tokens=args.max_new_tokens, eos_ids=tok.eos_ids)
                    if x not in tok.eos_ids]
-            ok, why = passes(prob, program(prob, tok.decode(ids)))
-            row[name] = {"passed": ok, "why": why, "tokens": len(ids)}
+            answer = tok.decode(ids)
+            ok, why = passes(prob, program(prob, answer))
+            row[name] = {"passed": ok, "why": why, "tokens": len(ids), "answer": answer}   # kept, to audit a verdict
         rows.append(row)
         score = {n: sum(r[n]["passed"] for r in rows) for n in runs}
         print(f"[{i + 1}/{len(problems)}] {prob['task_id']}: plain {'pass' if row['plain']['passed'] else 'fail'}, "

@@ -59,8 +59,7 @@ OPTIONS = {"emulate_precision_casts": True,   # bf16 rounded after every op, as 
            "realize_reads_threshold": 3,
            # indices are clamped by construction; a bounds check on each key's load cost ~40%
            "assert_indirect_indexing": False,
-           # no weights in the library: the step reads the model's own (shares_weights); a copy
-           # loaded beside them doubled a compiled 1.5B's memory (3.0 GB resident, 1.5 GB eager)
+           # no weights in the library: the step reads the model's own (shares_weights)
            "aot_inductor.package_constants_in_so": False}
 VERSION = "aot 4"   # of the graph: in every key, so a new one is built and priced anew
 KEY_BLOCK = 64   # a row's keys are summed in whole blocks of this many (masked places weigh 0)
@@ -140,15 +139,16 @@ class Stack(nn.Module):
         made_k, made_v = zip(*slots.made)
         return x, torch.stack(made_k), torch.stack(made_v)             # and (layers, B, Hkv, T, D) twice
 
+    def groups(self) -> list[int]:                                     # each 4-bit matmul's group size
+        return [m.group for m in self.modules() if isinstance(m, Int4Linear)]
+
 
 class Compiled:
     """Llama.blocks through a compiled range of layers where there is one, eager elsewhere."""
 
     def __init__(self, model: Llama, runners: dict[tuple[int, int], Callable], notify: Callable[[str], None]):
         self.model, self.runners, self.notify = model, runners, notify   # (start, stop) -> runner
-        # in every kept price's key (artifacts.model_key): prices taken while the step read its
-        # package's copy of the weights (2.4x slower there, shares_weights) are not this step's
-        self.version = f"{VERSION}, own weights"
+        self.version = VERSION   # in every kept price's key (artifacts.model_key): a new graph is priced anew
         self.eager = 0     # forwards after a prompt that ran eager and reach the head
         self.chains: dict[int, tuple[Tensor, Tensor]] = {}   # T -> its rows' keys (chain)
 
@@ -226,34 +226,24 @@ def compile_step(model: Llama, notify: Callable[[str], None], folder=None, split
 
 
 def shares_weights(runner: Runner, model: Llama, start: int, stop: int) -> Runner:
-    """`runner` reading `model`'s own layer weights: its package holds none (OPTIONS), only their
-    names, and the key holds their hash, so a step runs only on the weights it was built for.
-    subtle: two reasons not to keep a copy in the package. On a Zen 5 EPYC the 1.5B's 4-bit
-    matmuls took 2.4x as long on the package's copy as on the model's tensors, the same kernel
-    on the same shapes (a compiled step 58 ms, eager 32 ms; reading the model's weights, 29 ms):
-    the copy's memory, not the code, was slow. And loaded, the copy stayed resident beside the
-    model's (a compiled 1.5B: 3.0 GB against 1.5 GB eager)."""
+    """`runner` reading `model`'s own layer weights: its package holds none (OPTIONS), and the key
+    holds their hash. subtle: a copy in the package was slow (on a Zen 5 EPYC the 1.5B's 4-bit
+    matmuls took 2.4x as long on it as on the model's tensors: a compiled step 58 ms, eager 32,
+    on the model's 29), and loaded, it stayed resident (a compiled 1.5B: 3.0 GB, eager 1.5)."""
     stack = Stack(model, start, stop)
-    runner.give(constants(runner.loader.get_constant_fqns(), stack.state_dict(), groups(stack)))
+    runner.give(constants(runner.loader.get_constant_fqns(), stack.state_dict(), stack.groups()))
     return runner
 
 
-def groups(stack: Stack) -> list[int]:
-    """Each 4-bit matmul's group size, in the stack's order."""
-    return [m.group for m in stack.modules() if isinstance(m, Int4Linear)]
-
-
 def constants(names: list[str], named: dict[str, Tensor], groups: list[int]) -> dict[str, Tensor]:
-    """What the graph reads, by the names it gives them: the stack's parameters and buffers, and
-    the scalars inductor made while lowering, one per 4-bit matmul: its group size as an int64
-    tensor (named `constantN`: the lowering of torch's 4-bit matmul adds it). A graph that names
-    anything else is refused: the step would read values no one gave it."""
+    """What the graph reads, by its names: the stack's parameters and buffers, and one int64 scalar
+    per 4-bit matmul, its group size (`constantN`: the lowering of torch's 4-bit matmul adds it).
+    A graph that names anything else is refused: the step would read values no one gave it."""
     made = [k for k in names if k not in named]
     if len(made) != len(groups) or len(set(groups)) > 1:
         raise ValueError(f"the step reads {len(made)} tensors the model does not name, "
                          f"expected one group size for each of its {len(groups)} 4-bit matmuls")
-    group = {k: torch.tensor(groups[0], dtype=torch.int64) for k in made}
-    return {k: group[k] if k in group else named[k].detach() for k in names}
+    return {k: named[k].detach() if k in named else torch.tensor(groups[0], dtype=torch.int64) for k in names}
 
 
 def check(model: Llama) -> None:
@@ -293,7 +283,7 @@ def load(model: Llama, start: int, stop: int, ident: str, folder, notify: Callab
 def read(path: Path, k: str) -> Callable:
     """The step kept at `path`, if it was built under key `k`."""
     runner = Runner(path)
-    if runner.get_metadata().get("engine_key") != k:   # a file put there by hand, or a collision
+    if runner.loader.get_metadata().get("engine_key") != k:   # a file put there by hand, or a collision
         raise ValueError("was built for another model or machine")
     return runner
 
@@ -313,13 +303,9 @@ class Runner:
         return self.loader.boxed_run(list(tensors))     # Stack's inputs and outputs, flat, in order
 
     def give(self, constants: dict[str, Tensor]) -> None:
-        """The graph's weights, read in place (user-managed: never copied, so held here as long as
-        the runner lives); all of them, or an error."""
+        """The graph's weights, all or an error, read in place (user-managed: held here, never copied)."""
         self.constants = constants
         self.loader.load_constants(constants, False, True, True)   # active buffer, full, user-managed
-
-    def get_metadata(self) -> dict[str, str]:
-        return self.loader.get_metadata()
 
 
 STAGES = ("export", "compile (gcc)", "trial load")
@@ -378,8 +364,7 @@ def build_package(model: Llama, start: int, stop: int, path, k: str,
         torch._inductor.aoti_compile_and_package(
             program, package_path=str(tmp), inductor_configs={**OPTIONS, "aot_inductor.metadata": {"engine_key": k}})
         stage("trial load")
-        stack = Stack(model, start, stop)
-        trial(tmp, args, stack.state_dict(), groups(stack))
+        trial(tmp, args, Stack(model, start, stop))
         os.replace(tmp, path)
     finally:
         for b, kernel in zip(model.layers, before):
@@ -399,12 +384,11 @@ def trial_run(path: str, sample: str) -> None:
     runner(*args)
 
 
-def trial(path: Path, args: tuple, named: dict[str, Tensor], sizes: list[int]) -> None:
-    """Load the step at `path` and run it on `args` (weights: zeros of `named`'s shapes, the group
-    `sizes`) in a child process; raise if the child fails, so a step that crashes (a signal, not an
-    exception) is never kept, nor loaded here."""
-    sample = path.with_suffix(".args")
-    torch.save((args, {k: t.to("meta") for k, t in named.items()}, sizes), sample)   # shapes, not a GB of weights
+def trial(path: Path, args: tuple, stack: Stack) -> None:
+    """Load the step at `path` and run it on `args` (and zeros for `stack`'s weights) in a child
+    process; raise if it fails, so a step that crashes (a signal) is never kept, nor loaded here."""
+    sample = path.with_suffix(".args")                           # weights' shapes, not a GB of them:
+    torch.save((args, {k: t.to("meta") for k, t in stack.state_dict().items()}, stack.groups()), sample)
     root = str(Path(__file__).resolve().parents[2])              # where `engine` imports from
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(filter(None, (root, os.environ.get("PYTHONPATH"))))}
     try:
